@@ -1,0 +1,1 @@
+"""Benchmarks and reports: side-by-side runs, Markdown tables, PNG plots."""

@@ -1,0 +1,56 @@
+"""The ``Drafter`` protocol: propose k tokens and the distributions they were drawn from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from target.rejection import SparseDist
+from target.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]  # x_1..x_k'; k' <= k (a drafter may propose fewer, even none)
+    q: list[SparseDist]  # q_i, the exact distribution x_i was sampled from
+    forward_s: float = 0.0  # time spent in model forwards (the rest of propose is bookkeeping)
+
+
+@dataclass
+class CostMeter:
+    """Measured wall time per proposed token, an exponential moving average.
+
+    Drafters report this so that cost-aware policies can weigh cheap drafters against good ones.
+    """
+
+    alpha: float = 0.1  # weight of the newest measurement
+    seconds_per_token: float = 0.0
+    calls: int = 0
+    _started: bool = field(default=False, repr=False)
+
+    def record(self, seconds: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        sample = seconds / tokens
+        self.calls += 1
+        if not self._started:
+            self.seconds_per_token, self._started = sample, True
+        else:
+            self.seconds_per_token += self.alpha * (sample - self.seconds_per_token)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the router needs from a drafter. Implementations register a kind in the registry."""
+
+    name: str
+    tokenizer_fingerprint: str | None  # None: model-free, works with any tokenizer
+    cost: CostMeter
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """Propose up to k tokens continuing ``context_ids`` (the full context so far)."""
+        ...
+
+    def release(self, session_id: str) -> None:
+        """Forget the session (its KV cache, if any)."""
+        ...

@@ -1,0 +1,83 @@
+"""A Hugging Face causal LM as drafter, with its own prefix-reusing KV cache per session.
+
+It samples each draft token from its own top-K truncated, renormalised distribution and returns
+exactly that sparse q, so verification stays exact (DESIGN.md, "Lossless by construction").
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from drafters.base import CostMeter, Proposal
+from drafters.registry import DrafterContext, register_drafter
+from router.errors import InvalidArgument
+from target.kv_cache import SessionCaches
+from target.models import ModelConfig, load_causal_lm, tokenizer_fingerprint
+from target.rejection import SparseDist
+from target.sampling import SamplingParams, request_generator
+
+DRAFTER_STREAM = 1  # random stream id of drafter draws (the target uses 0)
+
+
+class HFModelDrafter:
+    def __init__(
+        self,
+        name: str,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        top_k: int = 16,  # support of q: wider costs wire and time, narrower costs acceptance
+        cache_capacity: int = 64,
+    ):
+        if top_k < 1:
+            raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.top_k = top_k
+        self.caches = SessionCaches(model, cache_capacity)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        self.cost = CostMeter()
+
+    def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
+        """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the
+        top-K of softmax(logits / T) renormalised, T being the request's temperature."""
+        if params.greedy:
+            return SparseDist.one_hot(int(logits.argmax()))
+        values, ids = torch.topk(logits.float() / params.temperature, min(self.top_k, logits.shape[-1]))  # (K,)
+        return SparseDist(ids.cpu(), torch.softmax(values, dim=-1).cpu())
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        started = time.perf_counter()
+        cache = self.caches.get(session_id)
+        tokens: list[int] = []
+        q: list[SparseDist] = []
+        forward_s = 0.0
+        for i in range(k):
+            step = time.perf_counter()
+            logits = cache.logits(context_ids + tokens, n_last=1)[0]  # (V,)
+            forward_s += time.perf_counter() - step
+            dist = self.proposal_dist(logits, params)
+            if params.greedy:
+                token = int(dist.token_ids[0])
+            else:
+                gen = request_generator(params.seed, len(context_ids) + i, DRAFTER_STREAM)
+                token = int(dist.token_ids[torch.multinomial(dist.probs, 1, generator=gen)])
+            tokens.append(token)
+            q.append(dist)
+        self.cost.record(time.perf_counter() - started, len(tokens))
+        return Proposal(tokens, q, forward_s)
+
+    def release(self, session_id: str) -> None:
+        self.caches.release(session_id)
+
+
+@register_drafter("hf")
+def _make_hf(name: str, argument: str, context: DrafterContext) -> HFModelDrafter:
+    """``hf:PATH_OR_HUB_ID``: any causal LM sharing the target's tokenizer."""
+    if not argument:
+        raise InvalidArgument("the hf drafter needs a model: hf:PATH_OR_HUB_ID")
+    model, tokenizer = load_causal_lm(ModelConfig(argument, context.device, context.dtype), context.home)
+    return HFModelDrafter(name, model, tokenizer)

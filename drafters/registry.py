@@ -1,0 +1,54 @@
+"""Drafter kinds by name. A drafter spec is ``KIND`` or ``KIND:ARGUMENT`` (``ngram``,
+``hf:/path/to/model``); kinds register themselves with ``@register_drafter``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from drafters.base import Drafter
+from router.errors import NotFound
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What any drafter may need to build itself."""
+
+    home: Path  # specpool's cache directory (models, converted weights)
+    device: str = "cpu"
+    dtype: str = "auto"
+
+
+DrafterFactory = Callable[[str, str, DrafterContext], Drafter]  # (name, argument, context)
+_KINDS: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(kind: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def add(factory: DrafterFactory) -> DrafterFactory:
+        _KINDS[kind] = factory
+        return factory
+
+    return add
+
+
+def drafter_kinds() -> list[str]:
+    _load_builtin_kinds()
+    return sorted(_KINDS)
+
+
+def create_drafter(spec: str, context: DrafterContext) -> Drafter:
+    """Build the drafter a spec names; the spec itself becomes the drafter's name."""
+    _load_builtin_kinds()
+    kind, _, argument = spec.partition(":")
+    factory = _KINDS.get(kind)
+    if factory is None:
+        raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_KINDS))} (hf:PATH_OR_HUB_ID for a model)")
+    return factory(spec, argument, context)
+
+
+def _load_builtin_kinds() -> None:
+    # Imported here, not at the top, so that ``drafters.registry`` stays importable without torch
+    # models loaded; each module registers its kinds on import.
+    import drafters.hf_model  # noqa: F401
+    import drafters.ngram  # noqa: F401

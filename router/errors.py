@@ -1,0 +1,38 @@
+"""Domain errors. Every layer raises these; the CLI prints them as one line and the gRPC
+interceptor maps ``code`` to a status code. Messages say what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class SpecpoolError(Exception):
+    """Base class. ``code`` names the gRPC status an interceptor should use."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(SpecpoolError):
+    """The request itself is wrong (empty prompt, k out of range, ...)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(SpecpoolError):
+    """A named thing (drafter, model, policy) does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class ModelUnavailable(SpecpoolError):
+    """A model could not be obtained or loaded."""
+
+    code = "UNAVAILABLE"
+
+
+class IncompatibleModels(InvalidArgument):
+    """Drafter and target do not share a tokenizer, so token ids would mean different things."""
+
+
+def check(condition: bool, message: str, error: type[SpecpoolError] = InvalidArgument) -> None:
+    """Raise ``error(message)`` unless ``condition`` holds. Keeps validation code one line a rule."""
+    if not condition:
+        raise error(message)

@@ -1,0 +1,156 @@
+"""The speculative loop for one request: choose a drafter, draft, verify, accept, repeat.
+
+Pure logic over three collaborators passed in: a chooser (which drafter this round), the
+drafters, and the target verifier. No threads, servers or clocks of its own beyond timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol
+
+from drafters.base import Drafter, Proposal
+from target.sampling import SamplingParams
+from target.verifier import VerifyRequest, VerifyResult
+
+
+class Verifier(Protocol):
+    def verify(self, request: VerifyRequest) -> VerifyResult: ...
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one round did; the raw material for metrics, rewards and reports."""
+
+    drafter: str | None  # the drafter chosen this round; None: target-only step
+    k: int  # draft length asked for
+    proposed: int  # draft tokens actually proposed (a drafter may propose fewer)
+    accepted: int  # accepted draft tokens
+    emitted: int  # tokens this round added to the output (accepted + 1, less after a stop)
+    bd: float | None  # block divergence reward: mean over positions of 1 - TV(p, q)
+    draft_s: float  # wall time of the drafter's propose call
+    verify_s: float  # wall time of the target's verify call
+    round_s: float  # wall time of the whole round, bookkeeping included
+    draft_forward_s: float = 0.0  # time spent inside the drafter's model forwards
+    verify_forward_s: float = 0.0  # time spent inside the target's forward
+
+
+class DrafterChooser(Protocol):
+    """Picks the drafter for each round and learns from its outcome (policies in router/)."""
+
+    def select(self) -> str | None: ...
+
+    def update(self, record: RoundRecord) -> None: ...
+
+
+@dataclass
+class FixedChooser:
+    """Always the same drafter (or none: target-only decoding)."""
+
+    name: str | None
+
+    def select(self) -> str | None:
+        return self.name
+
+    def update(self, record: RoundRecord) -> None:
+        pass
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per round, bonus included (block efficiency, tau)."""
+        return len(self.token_ids) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def rounds_by_drafter(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record in self.rounds:
+            key = record.drafter or "none"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+
+def block_divergence(tv: list[float]) -> float | None:
+    """MetaSD's BD reward: (1/k) sum_j (1 - TV(p_j, q_j)). None when nothing was drafted."""
+    return sum(1.0 - d for d in tv) / len(tv) if tv else None
+
+
+_EMPTY = Proposal([], [])
+
+
+def speculative_generate(
+    prompt_ids: list[int],
+    *,
+    session_id: str,
+    drafters: Mapping[str, Drafter],
+    chooser: DrafterChooser,
+    verifier: Verifier,
+    params: SamplingParams,
+    k: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> GenerationResult:
+    """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
+
+    Draft length is capped by the tokens still wanted, so ``max_new_tokens`` is met exactly; a
+    stop token inside an accepted run ends the request right after it.
+    """
+    started = time.perf_counter()
+    generated: list[int] = []
+    rounds: list[RoundRecord] = []
+    stop_ids = set(params.stop_token_ids)
+    finish_reason = "length"
+    while len(generated) < params.max_new_tokens:
+        if should_stop is not None and should_stop():
+            finish_reason = "cancelled"
+            break
+        round_started = time.perf_counter()
+        remaining = params.max_new_tokens - len(generated)
+        context = prompt_ids + generated
+        name = chooser.select()
+        k_round = min(k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
+        proposal = _EMPTY
+        if name is not None and k_round > 0:
+            proposal = drafters[name].propose(session_id, context, k_round, params)
+        drafted = time.perf_counter()
+        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params))
+        verified = time.perf_counter()
+
+        emitted = result.tokens
+        for i, token in enumerate(emitted):
+            if token in stop_ids:
+                emitted = emitted[: i + 1]
+                finish_reason = "stop"
+                break
+        generated.extend(emitted)
+        if on_tokens is not None:
+            on_tokens(emitted)
+        record = RoundRecord(
+            drafter=name,
+            k=k_round if name is not None else 0,
+            proposed=len(proposal.tokens),
+            accepted=result.accepted,
+            emitted=len(emitted),
+            bd=block_divergence(result.tv),
+            draft_s=drafted - round_started,
+            verify_s=verified - drafted,
+            round_s=time.perf_counter() - round_started,
+            draft_forward_s=proposal.forward_s,
+            verify_forward_s=result.forward_s,
+        )
+        rounds.append(record)
+        chooser.update(record)
+        if finish_reason == "stop":
+            break
+    return GenerationResult(generated, finish_reason, rounds, time.perf_counter() - started)

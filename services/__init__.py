@@ -1,0 +1,1 @@
+"""Processes: the CLI, the embedded engine wiring, and (later) servers and workers."""

@@ -1,0 +1,165 @@
+"""``specpool`` command line. Bad input gives one clear line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from router.errors import SpecpoolError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (no usage dump), like domain errors."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"specpool: error: {message} (see {self.prog} --help)\n")
+
+
+def _quiet_libraries() -> None:
+    # transformers and torch talk a lot on load; a user of the CLI wants the answer.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    from target.models import DEFAULT_TARGET
+
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: embedded name, folder or hub id (default {DEFAULT_TARGET})")
+    parser.add_argument("--device", default="cpu", help="device for the target and model drafters: cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specpool", description="Lossless speculative decoding with a pool of drafters.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = commands.add_parser("generate", help="generate text for one prompt (embedded mode)")
+    gen.add_argument("prompt")
+    gen.add_argument("--drafter", default="ngram", help="drafter spec (ngram, ngram:MIN-MAX, hf:PATH) or none; default ngram")
+    gen.add_argument("-k", type=int, default=5, help="draft length per round (1..32, default 5)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_model_options(gen)
+
+    models = commands.add_parser("models", help="manage cached models")
+    model_commands = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    fetch = model_commands.add_parser("fetch", help="download and convert the embedded default target")
+    fetch.add_argument("name", nargs="?", default=None, help="embedded model name (default: the default target)")
+
+    from bench.speed import add_bench_arguments
+
+    bench = commands.add_parser("bench", help="benchmark speculative decoding against target-only and Hugging Face")
+    add_bench_arguments(bench)
+    _add_model_options(bench)
+    return parser
+
+
+def _sampling_params(args: argparse.Namespace, stop_token_ids: tuple[int, ...]):
+    from target.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids,
+    )
+
+
+def cmd_generate(args: argparse.Namespace, settings) -> int:
+    from drafters.registry import drafter_kinds
+    from router.errors import NotFound, check
+    from services.engine import EmbeddedEngine, EngineConfig, TextStreamer
+    from target.models import ModelConfig
+    from target.sampling import validate_draft_length
+
+    # Everything checkable without a model is checked before the (slow) model load.
+    check(bool(args.prompt.strip()), "the prompt is empty")
+    validate_draft_length(args.k)
+    _sampling_params(args, ()).validate()
+    drafter = None if args.drafter == "none" else args.drafter
+    if drafter is not None and drafter.partition(":")[0] not in drafter_kinds():
+        raise NotFound(f"unknown drafter {drafter!r}; known kinds: {', '.join(drafter_kinds())} or none")
+
+    target = ModelConfig(args.target, args.device, args.dtype)
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype))
+    if drafter is not None:
+        engine.drafter(drafter)  # load and check the tokenizer before generating anything
+    prompt_ids = engine.encode_prompt(args.prompt, raw=args.raw)
+    params = _sampling_params(args, engine.stop_token_ids())
+
+    streamer = None if args.json else TextStreamer(engine.tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(prompt_ids, params, drafter, k=args.k, on_tokens=streamer)
+    stats = {
+        "new_tokens": len(result.token_ids),
+        "rounds": len(result.rounds),
+        "mean_accepted_length": round(result.mean_accepted_length, 4),
+        "tokens_per_s": round(result.tokens_per_s, 3),
+        "drafters": result.rounds_by_drafter(),
+    }
+    if args.json:
+        text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
+    else:
+        streamer.flush()
+        print(
+            f"\n[{stats['new_tokens']} new tokens, {stats['rounds']} rounds, "
+            f"mean accepted length {stats['mean_accepted_length']:.2f}, {stats['tokens_per_s']:.1f} tokens/s, "
+            f"finish: {result.finish_reason}]"
+        )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace, settings) -> int:
+    from router.errors import NotFound
+    from target.models import DEFAULT_TARGET, EMBEDDED_MODELS, fetch_embedded
+
+    name = args.name or DEFAULT_TARGET
+    if name not in EMBEDDED_MODELS:
+        raise NotFound(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    import transformers
+
+    transformers.utils.logging.enable_progress_bar()  # conversion is slow: show its progress
+    path = fetch_embedded(name, settings.home)
+    print(f"{name}: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from services.config import settings_from_env
+
+    args = build_parser().parse_args(argv)
+    settings = settings_from_env()
+    try:
+        _quiet_libraries()
+        if args.command == "generate":
+            return cmd_generate(args, settings)
+        if args.command == "models":
+            return cmd_models(args, settings)
+        if args.command == "bench":
+            from bench.speed import run_bench
+
+            return run_bench(args, settings)
+    except SpecpoolError as exc:
+        print(f"specpool: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("specpool: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

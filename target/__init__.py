@@ -1,0 +1,1 @@
+"""Target runtime: model loading, KV caches, sampling parameters and lossless verification."""
