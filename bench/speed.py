@@ -1,3 +1,306 @@
-"""Placeholder replaced below."""
-def add_bench_arguments(parser): pass
-def run_bench(args, settings): return 0
+"""``specpool bench``: speculative decoding vs target-only vs Hugging Face, side by side.
+
+For every prompt, every system runs back to back in one process (the order rotates from prompt to
+prompt), so machine noise hits all systems alike and per-prompt ratios stay meaningful
+(DESIGN.md, "Measuring"). Systems, all greedy and sharing one target model object:
+
+    target               our loop, no drafter (target-only decoding)
+    <drafter spec>       our loop with that drafter, e.g. ngram, hf:/path
+    hf-assisted:<spec>   transformers generate(assistant_model=...) for each hf: drafter
+    hf-prompt-lookup     transformers generate(prompt_lookup_num_tokens=k), HF's ngram
+
+Writes results.json, per_prompt.jsonl (raw counters), report.md and speedup.png to --out.
+Aggregation and rendering live in bench/report.py (pure, unit-tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench import report
+from router.errors import InvalidArgument, NotFound, check
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 8
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-Bench question file (JSON lines with category and turns)")
+    parser.add_argument("--limit-per-category", type=int, default=5, help="first N prompts of each category (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--drafters", default="ngram", help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
+    parser.add_argument("-k", type=int, default=5, help="draft length per round, for ours and the HF peers (default 5)")
+    parser.add_argument("--out", default="bench/results/latest", help="output folder (default bench/results/latest)")
+
+
+# -- inputs (no models) -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    question_id: object  # as in the file (int or str)
+    category: str
+    prompt: str  # the first turn
+
+
+def load_questions(path: Path, limit_per_category: int) -> list[Question]:
+    """The first ``limit_per_category`` questions of each category, in file order."""
+    check(limit_per_category >= 1, f"--limit-per-category must be >= 1, got {limit_per_category}")
+    check(path.exists(), f"prompts file {path} does not exist", NotFound)
+    check(path.is_file(), f"prompts file {path} is not a file")
+    questions: list[Question] = []
+    per_category: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_no}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgument(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            check(isinstance(item, dict), f"{where}: expected a JSON object with category and turns")
+            category, turns = item.get("category"), item.get("turns")
+            check(isinstance(category, str) and bool(category), f"{where}: missing or empty \"category\"")
+            check(isinstance(turns, list) and bool(turns) and isinstance(turns[0], str) and bool(turns[0].strip()),
+                  f"{where}: \"turns\" must be a non-empty list whose first turn is a non-empty string")
+            if per_category.get(category, 0) < limit_per_category:
+                per_category[category] = per_category.get(category, 0) + 1
+                questions.append(Question(item.get("question_id", line_no), category, turns[0]))
+    check(bool(questions), f"prompts file {path} holds no questions")
+    return questions
+
+
+def parse_drafters(text: str) -> list[str]:
+    from drafters.registry import drafter_kinds
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    check(bool(specs), "--drafters is empty; give drafter specs such as ngram or ngram,hf:PATH")
+    check(len(set(specs)) == len(specs), f"--drafters names a drafter twice: {text}")
+    for spec in specs:
+        check(spec not in ("none", report.TARGET), "target-only decoding always runs; leave it out of --drafters")
+        if spec.partition(":")[0] not in drafter_kinds():
+            raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())}")
+    return specs
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this run, every option spelled out."""
+    return shlex.join([
+        "specpool", "bench", "--prompts", str(args.prompts), "--limit-per-category", str(args.limit_per_category),
+        "--max-new-tokens", str(args.max_new_tokens), "--drafters", args.drafters, "-k", str(args.k),
+        "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
+    ])
+
+
+def machine_info(device: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+# -- systems (models) ---------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One system's output on one prompt, and what it cost."""
+
+    token_ids: list[int]
+    wall_s: float
+    result: object | None = None  # our GenerationResult; None for HF systems
+
+
+def build_systems(engine, specs: list[str], k: int, max_new_tokens: int) -> dict[str, tuple[bool, Callable[[list[int], int], Run]]]:
+    """name -> (ours, run(prompt_ids, max_new_tokens)). Each run times only the generate call."""
+    import torch
+
+    from target.sampling import SamplingParams
+
+    stop_ids = engine.stop_token_ids()
+    device = engine.model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def ours(drafter: str | None):
+        def run(prompt_ids: list[int], n: int) -> Run:
+            params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
+            sync()
+            started = time.perf_counter()
+            result = engine.generate(prompt_ids, params, drafter, k=k)
+            sync()
+            return Run(result.token_ids, time.perf_counter() - started, result)
+        return run
+
+    def hf(**peer_kwargs):
+        def run(prompt_ids: list[int], n: int) -> Run:
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+            sync()
+            started = time.perf_counter()
+            # Same stop tokens as ours; an explicit all-ones mask (pad == eos here, so HF would
+            # otherwise guess one); greedy.
+            out = engine.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=n,
+                eos_token_id=list(stop_ids), pad_token_id=stop_ids[0], **peer_kwargs,
+            )  # (1, T + new)
+            sync()
+            return Run(out[0, len(prompt_ids):].tolist(), time.perf_counter() - started)
+        return run
+
+    systems = {report.TARGET: (True, ours(None))}
+    for spec in specs:
+        systems[spec] = (True, ours(spec))
+    for spec in specs:
+        drafter = engine.drafter(spec)
+        if spec.partition(":")[0] == "hf" and hasattr(drafter, "model"):
+            assistant = drafter.model
+            # transformers reads the draft length from the *assistant's* generation_config (the
+            # generate() kwargs are ignored for it: it would draft up to 20 tokens and stop early
+            # on a learned confidence threshold). Pin k, constant, no early stop: same job as ours.
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            systems[report.HF_ASSISTED + spec] = (False, hf(
+                assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant"))
+    if any(spec.partition(":")[0] == "ngram" for spec in specs):
+        systems[report.HF_PROMPT_LOOKUP] = (False, hf(prompt_lookup_num_tokens=k))
+    return systems
+
+
+def record(index: int, question: Question, system: str, is_ours: bool, prompt_ids: list[int], run: Run, target_ids: list[int] | None) -> dict:
+    """Raw counters for per_prompt.jsonl; report.aggregate derives every rate from these."""
+    result = run.result
+    rounds = result.rounds if result is not None else None
+    return {
+        "prompt_index": index, "question_id": question.question_id, "category": question.category,
+        "system": system, "ours": is_ours, "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(run.token_ids), "wall_s": run.wall_s,
+        "finish_reason": result.finish_reason if result is not None else None,
+        "rounds": len(rounds) if rounds is not None else None,
+        "round_s": sum(r.round_s for r in rounds) if rounds is not None else None,
+        "draft_forward_s": sum(r.draft_forward_s for r in rounds) if rounds is not None else None,
+        "verify_forward_s": sum(r.verify_forward_s for r in rounds) if rounds is not None else None,
+        "matches_target": None if target_ids is None else run.token_ids == target_ids,
+        "token_ids": run.token_ids,
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace, settings) -> int:
+    from tqdm import tqdm
+
+    from services.engine import EmbeddedEngine, EngineConfig
+    from target.models import ModelConfig
+    from target.sampling import validate_draft_length
+
+    # Everything checkable without a model is checked before the (slow) model load.
+    check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    validate_draft_length(args.k)
+    prompts_path = Path(args.prompts).expanduser().resolve()
+    questions = load_questions(prompts_path, args.limit_per_category)
+    specs = parse_drafters(args.drafters)
+    out = Path(args.out).expanduser()
+    check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"specpool bench: loading {args.target} and drafters {', '.join(specs)} ...", file=sys.stderr)
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
+                                         drafter_device=args.device, drafter_dtype=args.dtype))
+    systems = build_systems(engine, specs, args.k, args.max_new_tokens)
+    names = list(systems)
+    prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
+
+    warmup_ids = engine.encode_prompt(WARMUP_PROMPT)
+    for is_ours, run in systems.values():
+        run(warmup_ids, min(WARMUP_TOKENS, args.max_new_tokens))
+
+    records: list[dict] = []
+    interrupted = False
+    with (out / "per_prompt.jsonl").open("w") as raw:
+        bar = tqdm(list(enumerate(questions)), desc="bench", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        try:
+            for i, question in bar:
+                shift = i % len(names)  # rotate the order so no system always runs first
+                runs = {name: systems[name][1](prompt_ids[i], args.max_new_tokens) for name in names[shift:] + names[:shift]}
+                target_ids = runs[report.TARGET].token_ids
+                for name in names:
+                    rec = record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
+                                 None if name == report.TARGET else target_ids)
+                    records.append(rec)
+                    raw.write(json.dumps(rec) + "\n")
+                raw.flush()
+                target_s = runs[report.TARGET].wall_s / max(len(target_ids), 1)
+                bar.set_postfix_str(" ".join(
+                    f"{n}={target_s * len(r.token_ids) / r.wall_s:.2f}x" for n, r in runs.items() if n != report.TARGET and r.wall_s > 0))
+        except KeyboardInterrupt:
+            interrupted = True  # report what was measured so far
+        bar.close()
+    if not records:
+        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
+        return 130
+
+    rows = report.aggregate(records)
+    mismatches = report.mismatch_counts(records)
+    n_done = len({r["prompt_index"] for r in records})
+    machine = machine_info(args.device)
+    categories = {}
+    for q in questions[:n_done]:
+        categories[q.category] = categories.get(q.category, 0) + 1
+    config = {
+        "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
+        "drafters": specs, "systems": names, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "prompts_file": str(prompts_path), "n_prompts": n_done, "limit_per_category": args.limit_per_category,
+        "categories": categories, "stop_token_ids": list(engine.stop_token_ids()),
+        "hf_assisted": {"num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},
+        "hf_prompt_lookup": {"prompt_lookup_num_tokens": args.k, "max_matching_ngram_size": 2},  # HF's default n-gram size
+        "warmup": f"each system once on {WARMUP_PROMPT!r}, {WARMUP_TOKENS} tokens",
+        "order": "all systems back to back per prompt, order rotated each prompt",
+        "command": command_line(args), "interrupted": interrupted,
+    }
+    (out / "results.json").write_text(json.dumps(
+        {"machine": machine, "config": config, "lossless_mismatches": mismatches, "rows": rows}, indent=2) + "\n")
+
+    plot_name = "speedup.png"
+    title = f"{args.target}, k={args.k}, greedy, {n_done} prompts, {args.max_new_tokens} new tokens"
+    report.plot_speedup(rows, out / plot_name, title)
+    header = [
+        ("machine", f"{machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} torch threads)"
+                    f"{', ' + machine['gpu'] if 'gpu' in machine else ''}; {machine['platform']}; "
+                    f"torch {machine['torch']}, transformers {machine['transformers']}"),
+        ("target", f"`{args.target}` on {args.device} ({config['dtype']})"),
+        ("drafters", ", ".join(f"`{s}`" for s in specs) + "; HF peers: " + (", ".join(f"`{n}`" for n in names if not systems[n][0]) or "none")),
+        ("decoding", f"greedy (temperature 0), k = {args.k}, max {args.max_new_tokens} new tokens, "
+                     f"stop tokens {config['stop_token_ids']}; HF assisted drafts exactly k (constant, no confidence stop)"),
+        ("prompts", f"{n_done} from `{prompts_path}` (first {args.limit_per_category} per category: "
+                    + ", ".join(f"{c} {n}" for c, n in categories.items()) + ")" + (" — INTERRUPTED" if interrupted else "")),
+        ("method", "systems alternate per prompt in one process (order rotated), each warmed up once"),
+        ("command", f"`{config['command']}`"),
+    ]
+    (out / "report.md").write_text(report.markdown_report(header, rows, mismatches, plot_name))
+
+    print(report.markdown_table(rows))
+    ours_bad = {s: n for s, n in mismatches.items() if n and systems[s][0]}
+    if ours_bad:
+        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {ours_bad}", file=sys.stderr)
+    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, {plot_name}")
+    return 130 if interrupted else 0

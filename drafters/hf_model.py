@@ -81,3 +81,22 @@ def _make_hf(name: str, argument: str, context: DrafterContext) -> HFModelDrafte
         raise InvalidArgument("the hf drafter needs a model: hf:PATH_OR_HUB_ID")
     model, tokenizer = load_causal_lm(ModelConfig(argument, context.device, context.dtype), context.home)
     return HFModelDrafter(name, model, tokenizer)
+
+
+@register_drafter("early-exit")
+def _make_early_exit(name: str, argument: str, context: DrafterContext) -> HFModelDrafter:
+    """``early-exit:N``: the target's own first N layers plus its norm and LM head, untrained.
+
+    The self-speculative drafter of Draft & Verify (Zhang et al. 2023) and LayerSkip (Elhoushi
+    et al. 2024), without their training: a drafter that needs no extra weights and shares the
+    tokenizer by construction. Useful as a model drafter baseline and for peer comparisons.
+    """
+    try:
+        layers = int(argument)
+    except ValueError:
+        raise InvalidArgument(f"bad drafter spec {name!r}; use early-exit:N with N the number of layers") from None
+    if layers < 1:
+        raise InvalidArgument(f"early-exit needs at least one layer, got {layers}")
+    config = ModelConfig(context.target, context.device, context.dtype)
+    model, tokenizer = load_causal_lm(config, context.home, num_hidden_layers=layers)
+    return HFModelDrafter(name, model, tokenizer)

