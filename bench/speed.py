@@ -79,15 +79,15 @@ def load_questions(path: Path, limit_per_category: int) -> list[Question]:
 
 
 def parse_drafters(text: str) -> list[str]:
-    from drafters.registry import drafter_kinds
+    from drafters.registry import drafter_kinds, known_spec
 
     specs = [s.strip() for s in text.split(",") if s.strip()]
     check(bool(specs), "--drafters is empty; give drafter specs such as ngram or ngram,hf:PATH")
     check(len(set(specs)) == len(specs), f"--drafters names a drafter twice: {text}")
     for spec in specs:
         check(spec not in ("none", report.TARGET), "target-only decoding always runs; leave it out of --drafters")
-        if spec.partition(":")[0] not in drafter_kinds():
-            raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())}")
+        if not known_spec(spec):
+            raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())} or a shipped zoo name")
     return specs
 
 
@@ -132,7 +132,7 @@ class Run:
     result: object | None = None  # our GenerationResult; None for HF systems
 
 
-def build_systems(engine, specs: list[str], k: int, max_new_tokens: int) -> dict[str, tuple[bool, Callable[[list[int], int], Run]]]:
+def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Callable[[list[int], int], Run]]]:
     """name -> (ours, run(prompt_ids, max_new_tokens)). Each run times only the generate call."""
     import torch
 
@@ -187,7 +187,7 @@ def build_systems(engine, specs: list[str], k: int, max_new_tokens: int) -> dict
     return systems
 
 
-def record(index: int, question: Question, system: str, is_ours: bool, prompt_ids: list[int], run: Run, target_ids: list[int] | None) -> dict:
+def make_record(index: int, question: Question, system: str, is_ours: bool, prompt_ids: list[int], run: Run, target_ids: list[int] | None) -> dict:
     """Raw counters for per_prompt.jsonl; report.aggregate derives every rate from these."""
     result = run.result
     rounds = result.rounds if result is not None else None
@@ -226,12 +226,12 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     print(f"specpool bench: loading {args.target} and drafters {', '.join(specs)} ...", file=sys.stderr)
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
                                          drafter_device=args.device, drafter_dtype=args.dtype))
-    systems = build_systems(engine, specs, args.k, args.max_new_tokens)
+    systems = build_systems(engine, specs, args.k)
     names = list(systems)
     prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
 
     warmup_ids = engine.encode_prompt(WARMUP_PROMPT)
-    for is_ours, run in systems.values():
+    for _, run in systems.values():
         run(warmup_ids, min(WARMUP_TOKENS, args.max_new_tokens))
 
     records: list[dict] = []
@@ -244,14 +244,14 @@ def run_bench(args: argparse.Namespace, settings) -> int:
                 runs = {name: systems[name][1](prompt_ids[i], args.max_new_tokens) for name in names[shift:] + names[:shift]}
                 target_ids = runs[report.TARGET].token_ids
                 for name in names:
-                    rec = record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
+                    rec = make_record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
                                  None if name == report.TARGET else target_ids)
                     records.append(rec)
                     raw.write(json.dumps(rec) + "\n")
                 raw.flush()
                 target_s = runs[report.TARGET].wall_s / max(len(target_ids), 1)
                 bar.set_postfix_str(" ".join(
-                    f"{n}={target_s * len(r.token_ids) / r.wall_s:.2f}x" for n, r in runs.items() if n != report.TARGET and r.wall_s > 0))
+                    f"{n}={target_s * len(runs[n].token_ids) / runs[n].wall_s:.2f}x" for n in names[1:] if runs[n].wall_s > 0))
         except KeyboardInterrupt:
             interrupted = True  # report what was measured so far
         bar.close()

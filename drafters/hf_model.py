@@ -27,7 +27,7 @@ class HFModelDrafter:
         self,
         name: str,
         model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         top_k: int = 16,  # support of q: wider costs wire and time, narrower costs acceptance
         cache_capacity: int = 64,
     ):
@@ -38,16 +38,23 @@ class HFModelDrafter:
         self.tokenizer = tokenizer
         self.top_k = top_k
         self.caches = SessionCaches(model, cache_capacity)
-        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         self.cost = CostMeter()
+        # Models with a reduced output vocabulary (zoo drafters) map their indices to token ids.
+        self.output_ids: torch.Tensor | None = getattr(self, "output_ids", None)
 
     def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
         """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the
         top-K of softmax(logits / T) renormalised, T being the request's temperature."""
         if params.greedy:
-            return SparseDist.one_hot(int(logits.argmax()))
-        values, ids = torch.topk(logits.float() / params.temperature, min(self.top_k, logits.shape[-1]))  # (K,)
-        return SparseDist(ids.cpu(), torch.softmax(values, dim=-1).cpu())
+            index = int(logits.argmax())
+            return SparseDist.one_hot(index if self.output_ids is None else int(self.output_ids[index]))
+        values, ids = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]))  # (K,), sorted
+        values = (values - values[0]) / params.temperature  # max-shifted: safe at tiny temperatures
+        ids = ids.cpu()
+        if self.output_ids is not None:
+            ids = self.output_ids[ids]
+        return SparseDist(ids, torch.softmax(values, dim=-1).cpu())
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()

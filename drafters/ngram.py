@@ -57,9 +57,9 @@ def _make_ngram(name: str, argument: str, context: DrafterContext) -> NGramDraft
     """``ngram`` or ``ngram:MAX`` or ``ngram:MIN-MAX`` (n-gram lengths tried)."""
     if not argument:
         return NGramDrafter(name)
-    low, _, high = argument.partition("-")
-    if not high:
-        low, high = "2", low
+    low, dash, high = argument.partition("-")
+    if not dash:  # ngram:MAX
+        low, high = str(min(2, int(low))) if low.isdigit() else low, low
     try:
         max_ngram, min_ngram = int(high), int(low)
     except ValueError:

@@ -22,7 +22,9 @@ class DrafterContext:
 
 
 DrafterFactory = Callable[[str, str, DrafterContext], Drafter]  # (name, argument, context)
+NameResolver = Callable[[str], "str | None"]  # bare name -> full spec, or None
 _KINDS: dict[str, DrafterFactory] = {}
+_RESOLVERS: list[NameResolver] = []
 
 
 def register_drafter(kind: str) -> Callable[[DrafterFactory], DrafterFactory]:
@@ -33,6 +35,28 @@ def register_drafter(kind: str) -> Callable[[DrafterFactory], DrafterFactory]:
     return add
 
 
+def register_name_resolver(resolver: NameResolver) -> NameResolver:
+    """Let bare names (``code``) stand for full specs (``zoo:code``)."""
+    _RESOLVERS.append(resolver)
+    return resolver
+
+
+def resolve_spec(spec: str) -> str:
+    """The full ``KIND:ARGUMENT`` spec for ``spec`` (bare shipped names resolved)."""
+    _load_builtin_kinds()
+    if spec.partition(":")[0] in _KINDS:
+        return spec
+    for resolver in _RESOLVERS:
+        resolved = resolver(spec)
+        if resolved is not None:
+            return resolved
+    return spec
+
+
+def known_spec(spec: str) -> bool:
+    return resolve_spec(spec).partition(":")[0] in _KINDS
+
+
 def drafter_kinds() -> list[str]:
     _load_builtin_kinds()
     return sorted(_KINDS)
@@ -40,8 +64,7 @@ def drafter_kinds() -> list[str]:
 
 def create_drafter(spec: str, context: DrafterContext) -> Drafter:
     """Build the drafter a spec names; the spec itself becomes the drafter's name."""
-    _load_builtin_kinds()
-    kind, _, argument = spec.partition(":")
+    kind, _, argument = resolve_spec(spec).partition(":")
     factory = _KINDS.get(kind)
     if factory is None:
         raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_KINDS))} (hf:PATH_OR_HUB_ID for a model)")
@@ -53,3 +76,4 @@ def _load_builtin_kinds() -> None:
     # models loaded; each module registers its kinds on import.
     import drafters.hf_model  # noqa: F401
     import drafters.ngram  # noqa: F401
+    import drafters.zoo  # noqa: F401

@@ -61,6 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = model_commands.add_parser("fetch", help="download and convert the embedded default target")
     fetch.add_argument("name", nargs="?", default=None, help="embedded model name (default: the default target)")
 
+    zoo = commands.add_parser("zoo", help="train and evaluate the domain drafters")
+    zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
+    train = zoo_commands.add_parser("train", help="distil a domain drafter from the target")
+    train.add_argument("--domain", required=True, help="code, math, translation, summarization_qa, chat or general")
+    train.add_argument("--data", nargs="+", metavar="PATH", help="corpus files or folders")
+    train.add_argument("--data-root", default=None, help="instead of --data: a shared/data folder; use the domain's default recipe")
+    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--out", default=None, help="output folder (default: $SPECPOOL_HOME/zoo/drafters/DOMAIN)")
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--max-prompts", type=int, default=480, help="prompts the target answers for teacher data")
+    train.add_argument("--max-new-tokens", type=int, default=80, help="teacher answer length")
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
+    train.add_argument("--target", default=None, help="target model (default: the embedded default)")
+    from bench.zoo_eval import add_zoo_eval_arguments
+
+    zoo_eval = zoo_commands.add_parser("eval", help="cross-domain acceptance matrix of drafters x categories")
+    add_zoo_eval_arguments(zoo_eval)
+
     from bench.speed import add_bench_arguments
 
     bench = commands.add_parser("bench", help="benchmark speculative decoding against target-only and Hugging Face")
@@ -79,7 +99,8 @@ def _sampling_params(args: argparse.Namespace, stop_token_ids: tuple[int, ...]):
 
 
 def cmd_generate(args: argparse.Namespace, settings) -> int:
-    from drafters.registry import drafter_kinds
+    from drafters.registry import drafter_kinds, known_spec
+    from drafters.zoo import shipped_names
     from router.errors import NotFound, check
     from services.engine import EmbeddedEngine, EngineConfig, TextStreamer
     from target.models import ModelConfig
@@ -90,10 +111,13 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     validate_draft_length(args.k)
     _sampling_params(args, ()).validate()
     drafter = None if args.drafter == "none" else args.drafter
-    if drafter is not None and drafter.partition(":")[0] not in drafter_kinds():
-        raise NotFound(f"unknown drafter {drafter!r}; known kinds: {', '.join(drafter_kinds())} or none")
+    if drafter is not None and not known_spec(drafter):
+        names = ", ".join(shipped_names() + [f"{kind}:..." for kind in drafter_kinds() if kind != "ngram"] + ["ngram", "none"])
+        raise NotFound(f"unknown drafter {drafter!r}; known: {names}")
 
     target = ModelConfig(args.target, args.device, args.dtype)
+    target.check_device()
+    target.torch_dtype()
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype))
     if drafter is not None:
         engine.drafter(drafter)  # load and check the tokenizer before generating anything
@@ -137,9 +161,45 @@ def cmd_models(args: argparse.Namespace, settings) -> int:
     return 0
 
 
+def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from drafters.zoo_data import check_domain
+    from drafters.zoo_train import TrainConfig, check_writable, train_drafter
+    from target.models import DEFAULT_TARGET
+
+    from drafters.zoo_data import DEFAULT_RECIPES
+    from router.errors import InvalidArgument
+
+    check_domain(args.domain)
+    if bool(args.data) == bool(args.data_root):
+        raise InvalidArgument("give either --data PATH... or --data-root DIR (the domain's default recipe)")
+    data = args.data or [str(Path(args.data_root) / p) for p in DEFAULT_RECIPES[args.domain]]
+    out = Path(args.out) if args.out else settings.home / "zoo" / "drafters" / args.domain
+    check_writable(out.parent)
+    if args.background:
+        import subprocess
+
+        log = out.with_suffix(".log")
+        command = [sys.executable, "-m", "services.cli", *[a for a in argv if a != "--background"]]
+        with open(log, "ab") as handle:
+            proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        print(f"training {args.domain} in the background: pid {proc.pid}, log {log}; rerun with --resume after an interruption")
+        return 0
+    config = TrainConfig(
+        domain=args.domain, data=tuple(data), steps=args.steps, seed=args.seed,
+        max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+    )
+    metadata = train_drafter(config, settings.home, out, args.resume, args.target or DEFAULT_TARGET)
+    print(f"{metadata['name']}: {out} (steps {metadata['steps']}, final loss {metadata['final_loss']:.4f})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from services.config import settings_from_env
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     settings = settings_from_env()
     try:
@@ -148,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args, settings)
         if args.command == "models":
             return cmd_models(args, settings)
+        if args.command == "zoo" and args.zoo_command == "train":
+            return cmd_zoo_train(args, settings, argv)
+        if args.command == "zoo" and args.zoo_command == "eval":
+            from bench.zoo_eval import run_zoo_eval
+
+            return run_zoo_eval(args, settings)
         if args.command == "bench":
             from bench.speed import run_bench
 

@@ -65,13 +65,14 @@ class PrefixCache:
         """
         keep = min(common_prefix_length(self.token_ids, input_ids), len(input_ids) - n_last)
         if keep == 0 or self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            # Models with their own cache type (the zoo drafters) say how to make one.
+            new_cache = getattr(self.model, "new_cache", None)
+            self.cache = new_cache() if new_cache is not None else DynamicCache(config=self.model.config)
             self.token_ids = []
             keep = 0
         else:
             self.truncate(keep)
-        device = self.model.device
-        new = torch.tensor([input_ids[keep:]], dtype=torch.long, device=device)  # (1, T)
+        new = torch.tensor([input_ids[keep:]], dtype=torch.long, device=self.model.device)  # (1, T)
         out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last, **{self._kwarg: self.cache})
         self.token_ids = list(input_ids)
         return out.logits[0, -n_last:]  # (n_last, V)

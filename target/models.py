@@ -38,6 +38,18 @@ class ModelConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA; or float32/float16/bfloat16
 
+    def check_device(self) -> None:
+        """Fail early, with a clear message, on a device that is malformed or not present."""
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise InvalidArgument(f"unknown device {self.device!r}; use cpu, cuda or cuda:N") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ModelUnavailable(f"device {self.device!r} asked for, but this torch build sees no CUDA GPU")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ModelUnavailable(f"device {self.device!r} asked for, but only {torch.cuda.device_count()} GPU(s) exist")
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
@@ -123,6 +135,8 @@ def resolve_model(name: str, home: Path) -> str:
     if name in EMBEDDED_MODELS:
         return str(fetch_embedded(name, home))
     path = Path(name).expanduser()
+    if not path.exists() and name.startswith(("/", "./", "../", "~")):
+        raise ModelUnavailable(f"model folder {path} does not exist")
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelUnavailable(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -134,10 +148,12 @@ def load_causal_lm(
     config: ModelConfig, home: Path, **config_overrides
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load model and tokenizer; ``config_overrides`` change the model config (e.g. fewer layers)."""
+    config.check_device()
+    dtype = config.torch_dtype()
     source = resolve_model(config.name, home)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=config.torch_dtype(), **config_overrides)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **config_overrides)
     except Exception as exc:  # noqa: BLE001
         raise ModelUnavailable(
             f"could not load model {config.name!r} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -6,6 +6,7 @@ settings only shape q (DESIGN.md, "Lossless by construction").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, context_window: int | None = None, prompt_tokens: int = 0) -> None:
-        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(math.isfinite(self.temperature) and self.temperature >= 0.0,
+              f"temperature must be >= 0 (and finite), got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top-p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"top-k must be >= 0 (0 = no limit), got {self.top_k}")
         check(self.max_new_tokens >= 1, f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
@@ -61,7 +63,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
-    logits = logits / params.temperature
+    # Subtract the max first: a tiny temperature then tends to the argmax instead of overflowing.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (T, 1)

@@ -105,7 +105,7 @@ def model_dirs(tmp_path_factory) -> SimpleNamespace:
     target = make_model(0)
     return SimpleNamespace(
         target=_save(root / "target", target, tokenizer),
-        noisy=_save(root / "noisy", noisy_copy(target, 0.3, seed=1), tokenizer),
+        noisy=_save(root / "noisy", noisy_copy(target, 0.1, seed=1), tokenizer),
         random=_save(root / "random", make_model(2), tokenizer),
         other=_save(root / "other", make_model(3), make_tokenizer(OTHER_WORDS)),
     )
@@ -151,11 +151,20 @@ def prompt_texts() -> list[str]:
     return _prompt_texts()
 
 
+PROMPT_CONTINUATION = 24  # target-greedy tokens appended to each prompt (see ``prompts``)
+
+
 @pytest.fixture(scope="session")
 def prompts(target_lm, prompt_texts) -> list[list[int]]:
-    """Token ids of the prompts (bos included)."""
-    _, tokenizer = target_lm
-    return [tokenizer.encode(text, add_special_tokens=True) for text in prompt_texts]
+    """Token ids of 24 prompts (bos included), each followed by the target's own greedy
+    continuation of it: the tiny random target drifts into loops, so the contexts contain repeated
+    n-grams that the target keeps following, and n-gram drafts are sometimes accepted."""
+    model, tokenizer = target_lm
+    out = []
+    for text in prompt_texts:
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        out.append(ids + plain_greedy(model, ids, PROMPT_CONTINUATION))
+    return out
 
 
 @torch.inference_mode()
@@ -172,3 +181,11 @@ def plain_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
 @pytest.fixture(scope="session")
 def greedy_reference():
     return plain_greedy
+
+
+@pytest.fixture(scope="session")
+def engine(model_dirs, home):
+    """An embedded engine whose target is the tiny model folder."""
+    from services.engine import EmbeddedEngine, EngineConfig
+
+    return EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))))

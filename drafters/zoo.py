@@ -1,0 +1,91 @@
+"""Zoo drafters: small domain drafters distilled from the target (drafters/zoo_train.py).
+
+Shipped ones live in ``drafters/zoo/<name>/`` and load by name (``--drafter code``); any trained
+folder loads with ``zoo:PATH``. A zoo drafter borrows the target's embedding matrix at load time,
+so it needs the target it was distilled from (checked by tokenizer fingerprint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from drafters.hf_model import HFModelDrafter
+from drafters.registry import DrafterContext, register_drafter, register_name_resolver
+from drafters.zoo_model import ZooConfig, ZooLM
+from router.errors import InvalidArgument, ModelUnavailable
+from target.models import ModelConfig, resolve_model
+
+SHIPPED_DIR = Path(__file__).parent / "zoo"
+MANIFEST = SHIPPED_DIR / "manifest.json"
+
+
+def shipped_names() -> list[str]:
+    if not MANIFEST.exists():
+        return []
+    return sorted(json.loads(MANIFEST.read_text())["drafters"])
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_zoo_model(folder: Path, home: Path, target: str, device: str = "cpu") -> tuple[ZooLM, dict]:
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not config_path.exists() or not weights_path.exists():
+        raise ModelUnavailable(f"{folder} is not a zoo drafter (needs config.json and model.safetensors)")
+    metadata = json.loads(config_path.read_text())
+    target_dir = Path(resolve_model(target, home))
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as handle:
+        embedding = handle.get_tensor("model.embed_tokens.weight").float()  # (V, d) frozen, shared
+    try:
+        weights = load_file(str(weights_path))
+    except Exception as exc:  # noqa: BLE001
+        raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
+    model = ZooLM(ZooConfig(**metadata["model"]), embedding, weights["vocab_ids"].long())
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v.long() for k, v in weights.items()})
+    model.to(device).eval()
+    return model, metadata
+
+
+class ZooDrafter(HFModelDrafter):
+    """An ``HFModelDrafter`` whose network outputs the reduced vocabulary; q is mapped back to
+    full-vocabulary ids through ``vocab_ids``."""
+
+    def __init__(self, name: str, model: ZooLM, metadata: dict, top_k: int = 16):
+        self.metadata = metadata
+        self.output_ids = model.vocab_ids.cpu()  # (V_r,) reduced index -> token id
+        super().__init__(name, model, tokenizer=None, top_k=top_k)
+        self.tokenizer_fingerprint = metadata["target_tokenizer_fingerprint"]
+
+
+def _load(name: str, folder: Path, context: DrafterContext) -> ZooDrafter:
+    # A zoo drafter distilled from another target still loads; the engine's tokenizer check
+    # decides whether the pair is compatible.
+    model, metadata = load_zoo_model(folder, context.home, context.target, context.device)
+    return ZooDrafter(name, model, metadata)
+
+
+@register_drafter("zoo")
+def _make_zoo(name: str, argument: str, context: DrafterContext) -> ZooDrafter:
+    """``zoo:NAME`` (a shipped drafter) or ``zoo:PATH`` (a trained folder)."""
+    if not argument:
+        raise InvalidArgument(f"zoo drafter needs a name or folder; shipped: {', '.join(shipped_names()) or 'none'}")
+    folder = SHIPPED_DIR / argument if argument in shipped_names() else Path(argument).expanduser()
+    return _load(name, folder, context)
+
+
+@register_name_resolver
+def _resolve_shipped(spec: str) -> str | None:
+    """Bare shipped names (``code``, ``math``, ...) mean ``zoo:NAME``."""
+    return f"zoo:{spec}" if spec in shipped_names() else None
+
+

@@ -1,0 +1,470 @@
+"""Training zoo drafters by on-policy knowledge distillation from the target.
+
+Pipeline (``specpool zoo train``), every stage resumable and seeded:
+1. *Teacher data.* The target answers the domain's prompts greedily (batched); at every answer
+   position we keep its top-K next-token distribution. Shards land in ``<home>/zoo/teacher/<key>``
+   and are reused by later runs (this is the "precompute the target's top-K once" step).
+2. *Reduced vocabulary.* The drafter's output head covers the tokens that carry the most teacher
+   probability mass in this domain (plus the stop tokens).
+3. *Distillation.* Soft cross-entropy between the teacher's top-K p and the drafter's q at every
+   answer position, i.e. KL(p || q) up to p's entropy (Hinton et al. 2015; on-policy data as in
+   DistillSpec, Zhou et al. 2024). AdamW with warm-up and cosine decay; checkpoints every
+   ``save_every`` steps. The batch of step s is a pure function of (seed, s), so a resumed run
+   continues exactly where a straight run would be.
+4. *Output.* ``model.safetensors`` (float16 layers + vocabulary ids), ``config.json`` and a model
+   card, written to a temporary folder and renamed into place: nothing half-written is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from drafters.zoo_data import check_domain, collect_prompts
+from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
+from router.errors import InvalidArgument, SpecpoolError
+
+TEACHER_FORMAT = 1  # bump when the shard layout changes
+
+
+class TrainingError(SpecpoolError):
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    domain: str
+    data: tuple[str, ...]  # corpus files or folders
+    steps: int = 600  # optimiser steps
+    batch_size: int = 8  # sequences per step
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    seed: int = 0
+    max_prompts: int = 480  # prompts the target answers for the teacher data
+    max_new_tokens: int = 80  # length of each teacher answer
+    max_prompt_tokens: int = 320  # prompts are cut from the left to this many tokens
+    teacher_top_k: int = 20  # teacher distribution entries kept per position
+    teacher_batch: int = 32  # prompts per batched generate call (~5x the tokens/s of one at a time on 2 cores)
+    save_every: int = 100  # checkpoint period, in steps
+    init_layers: tuple[int, ...] = (0, 1)  # target layers that warm-start the drafter's blocks
+    model: ZooConfig = field(default_factory=ZooConfig)
+
+
+# --- 1. teacher data --------------------------------------------------------------------------
+
+
+def teacher_store_key(config: TrainConfig, target_fingerprint: str) -> str:
+    """Teacher answers depend on the target and on how it answers, not on the drafter trained:
+    every run with the same key shares one store, so the general drafter reuses the domain
+    drafters' answers (its prompts are a subset of theirs, drafters/zoo_data.py)."""
+    material = json.dumps([TEACHER_FORMAT, config.max_new_tokens, config.max_prompt_tokens,
+                           config.teacher_top_k, target_fingerprint])
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def prompt_hash(prompt: str) -> int:
+    return int.from_bytes(hashlib.sha1(prompt.encode()).digest()[:7], "big")  # fits int64
+
+
+def encode_chat(tokenizer, prompt: str, max_prompt_tokens: int) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    return ids[-max_prompt_tokens:]
+
+
+def teacher_index(store: Path) -> dict[int, tuple[Path, int]]:
+    """prompt hash -> (shard, row) over every complete shard in ``store``."""
+    index = {}
+    for shard in sorted(store.glob("shard-*.safetensors")):
+        try:
+            with safe_open(str(shard), framework="pt") as handle:
+                hashes = handle.get_tensor("prompt_hashes").tolist()
+        except Exception as exc:  # noqa: BLE001
+            raise TrainingError(f"teacher shard {shard} is unreadable ({exc}); delete it and rerun to regenerate") from exc
+        for row, h in enumerate(hashes):
+            index[h] = (shard, row)
+    return index
+
+
+@torch.inference_mode()
+def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: TrainConfig,
+                     stop_token_ids: tuple[int, ...]) -> dict[int, tuple[Path, int]]:
+    """Make sure the target's answer to every prompt is in ``store``; return the store's index.
+
+    The target answers greedily, batched (left padding), keeping its top-K p at each answer
+    position. One shard per batch, written atomically, so an interrupted run loses at most the
+    batch in flight and a rerun answers only what is missing.
+    """
+    store.mkdir(parents=True, exist_ok=True)
+    index = teacher_index(store)
+    missing = [p for p in dict.fromkeys(prompts) if prompt_hash(p) not in index]
+    encoded = {p: encode_chat(tokenizer, p, config.max_prompt_tokens) for p in missing}
+    missing.sort(key=lambda p: len(encoded[p]))  # similar lengths batch well
+    pad = stop_token_ids[0]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc=f"teacher answers ({config.domain})",
+               unit="prompt", dynamic_ncols=True)
+    tokens_done, started = 0, time.perf_counter()
+    next_number = len(list(store.glob("shard-*.safetensors")))
+    for first in range(0, len(missing), config.teacher_batch):
+        batch = missing[first:first + config.teacher_batch]
+        width = max(len(encoded[p]) for p in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):  # left padding: answers start at the same column
+            input_ids[row, width - len(encoded[p]):] = torch.tensor(encoded[p])
+            attention[row, width - len(encoded[p]):] = 1
+        out = model.generate(
+            input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+            max_new_tokens=config.max_new_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=pad, eos_token_id=list(stop_token_ids),
+        )
+        logits = torch.stack(out.logits, dim=1).float()  # (B, T, V)
+        top_p, top_ids = torch.softmax(logits, dim=-1).topk(config.teacher_top_k, dim=-1)  # (B, T, K)
+        answers = out.sequences[:, width:].cpu()  # (B, T)
+        tokens, offsets, starts, label_ids, label_probs = [], [0], [], [], []
+        for row, p in enumerate(batch):
+            answer = answers[row].tolist()
+            end = next((t + 1 for t, tok in enumerate(answer) if tok in stop_token_ids), len(answer))
+            tokens.extend(encoded[p] + answer[:end])
+            offsets.append(len(tokens))
+            starts.append(len(encoded[p]))
+            label_ids.append(top_ids[row, :end].cpu())
+            label_probs.append(top_p[row, :end].cpu())
+            tokens_done += end
+        shard = store / f"shard-{next_number:05d}.safetensors"
+        next_number += 1
+        _atomic_save({
+            "prompt_hashes": torch.tensor([prompt_hash(p) for p in batch], dtype=torch.int64),  # (n,)
+            "tokens": torch.tensor(tokens, dtype=torch.int32),  # all sequences, concatenated
+            "offsets": torch.tensor(offsets, dtype=torch.int64),  # (n+1,) sequence boundaries
+            "answer_starts": torch.tensor(starts, dtype=torch.int64),  # (n,) first answer position
+            "label_ids": torch.cat(label_ids).to(torch.int32),  # (answer tokens, K)
+            "label_probs": torch.cat(label_probs).to(torch.float16),  # (answer tokens, K)
+        }, shard)
+        for row, p in enumerate(batch):
+            index[prompt_hash(p)] = (shard, row)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - started):.0f}")
+    bar.close()
+    return index
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # (L,) prompt + answer
+    answer_start: int
+    label_ids: torch.Tensor  # (A, K) teacher top-K ids for answer positions
+    label_probs: torch.Tensor  # (A, K)
+
+
+def load_teacher(prompts: list[str], index: dict[int, tuple[Path, int]]) -> list[Sequence]:
+    """The teacher sequences of ``prompts``, in order, read from the store's shards."""
+    wanted: dict[Path, list[int]] = {}
+    for p in prompts:
+        shard, row = index[prompt_hash(p)]
+        wanted.setdefault(shard, []).append(row)
+    by_key: dict[tuple[Path, int], Sequence] = {}
+    for shard, rows in wanted.items():
+        try:
+            data = load_file(str(shard))
+        except Exception as exc:  # noqa: BLE001
+            raise TrainingError(f"teacher shard {shard} is unreadable ({exc}); delete it and rerun to regenerate") from exc
+        offsets, starts = data["offsets"].tolist(), data["answer_starts"].tolist()
+        label_offsets = [0]
+        for n, start in enumerate(starts):
+            label_offsets.append(label_offsets[-1] + (offsets[n + 1] - offsets[n]) - start)
+        for row in rows:
+            a, b = label_offsets[row], label_offsets[row + 1]
+            by_key[(shard, row)] = Sequence(data["tokens"][offsets[row]:offsets[row + 1]].long(), starts[row],
+                                            data["label_ids"][a:b].long(), data["label_probs"][a:b].float())
+    return [by_key[index[prompt_hash(p)]] for p in prompts]
+
+
+# --- 2. reduced vocabulary ------------------------------------------------------------------
+
+
+def build_vocab(sequences: list[Sequence], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The ``size`` token ids with the most teacher probability mass, stop tokens always in."""
+    mass = torch.zeros(vocab_size)
+    for seq in sequences:
+        mass.index_add_(0, seq.label_ids.reshape(-1), seq.label_probs.reshape(-1))
+        mass.index_add_(0, seq.tokens, torch.full((len(seq.tokens),), 1e-3))  # break ties towards seen text
+    mass[list(always)] = float("inf")
+    return mass.topk(size).indices.sort().values
+
+
+# --- 3. distillation --------------------------------------------------------------------------
+
+
+def batch_indices(step: int, n_sequences: int, batch_size: int, seed: int) -> list[int]:
+    """Sequences of optimiser step ``step``: epochs are seeded permutations, so any step's batch
+    is known without replaying the ones before (exact resume)."""
+    first = step * batch_size
+    out = []
+    for position in range(first, first + batch_size):
+        epoch, index = divmod(position, n_sequences)
+        perm = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(perm[index]))
+    return out
+
+
+def collate(sequences: list[Sequence], vocab_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs (B, L), and for each answer position the teacher's labels mapped into
+    the reduced vocabulary: ids (B, L, K) with -1 where absent, probs (B, L, K), mask (B, L)."""
+    length = max(len(s.tokens) for s in sequences) - 1
+    K = sequences[0].label_ids.shape[1]
+    inputs = torch.zeros(len(sequences), length, dtype=torch.long)
+    ids = torch.full((len(sequences), length, K), -1, dtype=torch.long)
+    probs = torch.zeros(len(sequences), length, K)
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for b, s in enumerate(sequences):
+        n = len(s.tokens) - 1
+        inputs[b, :n] = s.tokens[:-1]
+        # Logits at position t predict token t+1, so answer token j sits at t = answer_start+j-1.
+        first = s.answer_start - 1
+        count = len(s.label_ids)
+        ids[b, first:first + count] = vocab_map[s.label_ids]
+        probs[b, first:first + count] = s.label_probs
+        mask[b, first:first + count] = True
+    return inputs, ids, probs, mask
+
+
+def distillation_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Soft cross-entropy -sum_i p_i log q_i over the teacher's top-K, mean over positions.
+
+    logits: (N, V_r) at answer positions only; ids/probs: (N, K), id -1 for teacher tokens outside
+    the reduced vocabulary (their mass cannot be matched and is left out).
+    """
+    log_q = F.log_softmax(logits.float(), dim=-1)  # (N, V_r)
+    present = ids >= 0
+    picked = log_q.gather(-1, ids.clamp_min(0)) * present  # (N, K)
+    return -(probs * picked).sum(-1).mean()
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    losses: list[float] = field(default_factory=list)  # mean loss per save period
+
+
+def _lr(step: int, config: TrainConfig) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(config.steps - config.warmup, 1)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def save_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state)}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer) -> TrainState:
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(data["model"])
+        optimizer.load_state_dict(data["optimizer"])
+        return TrainState(**data["state"])
+    except Exception as exc:  # noqa: BLE001 - any failure here means the same to the user
+        raise TrainingError(
+            f"checkpoint {path} is corrupted or incompatible ({type(exc).__name__}: {exc}); "
+            "delete it to start over, or run without --resume"
+        ) from exc
+
+
+def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor, config: TrainConfig,
+                checkpoint: Path | None, resume: bool, until: int | None = None) -> TrainState:
+    """Run (or continue) distillation up to step ``until`` (default ``config.steps``)."""
+    torch.manual_seed(config.seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    state = TrainState()
+    if resume and checkpoint is not None and checkpoint.exists():
+        state = load_checkpoint(checkpoint, model, optimizer)
+    until = config.steps if until is None else until
+    model.train()
+    bar = tqdm(total=until, initial=state.step, desc=f"distil {config.domain}", unit="step", dynamic_ncols=True)
+    window_loss, window_steps, started, window_tokens = 0.0, 0, time.perf_counter(), 0
+    while state.step < until:
+        batch = [sequences[i] for i in batch_indices(state.step, len(sequences), config.batch_size, config.seed)]
+        inputs, ids, probs, mask = collate(batch, vocab_map)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(state.step, config)
+        hidden = model.hidden(inputs)[mask]  # (N, d): the head runs on answer positions only
+        loss = distillation_loss(model.reduced_logits(hidden), ids[mask], probs[mask])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        state.step += 1
+        state.tokens_seen += int(mask.sum())
+        window_tokens += inputs.numel()
+        window_loss += loss.item()
+        window_steps += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{window_tokens / (time.perf_counter() - started):.0f}")
+        if state.step % config.save_every == 0 or state.step == until:
+            state.losses.append(window_loss / window_steps)
+            window_loss, window_steps = 0.0, 0
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, model, optimizer, state)
+    bar.close()
+    model.eval()
+    return state
+
+
+# --- 4. output --------------------------------------------------------------------------------
+
+
+def check_writable(out: Path) -> None:
+    """Fail before any work if ``out`` cannot be created or written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise InvalidArgument(f"output directory {out} is not writable ({exc.strerror or exc})") from None
+
+
+def export_drafter(model: ZooLM, out: Path, metadata: dict, card: str) -> None:
+    """Write model.safetensors (float16 layers, int32 vocabulary ids), config.json and README.md
+    into ``out`` atomically: a temporary sibling folder renamed over the final one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        tensors = {k: (v.to(torch.int32) if k == "vocab_ids" else v.to(torch.float16)).contiguous()
+                   for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(metadata, indent=2) + "\n")
+        (tmp / "README.md").write_text(card)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a drafter folder is meant to be shared
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if out.exists():
+            keep = [p for p in out.iterdir() if p.name in ("checkpoint.pt",)]
+            for p in keep:
+                shutil.move(str(p), tmp / p.name)
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def model_card(metadata: dict) -> str:
+    lines = [
+        f"# specpool zoo drafter: {metadata['name']}",
+        "",
+        f"Domain **{metadata['domain']}**; distilled from the target `{metadata['target']}` on its own greedy answers",
+        "(on-policy distillation; soft cross-entropy to the target's top-K distribution).",
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| data files | {', '.join(metadata['data'])} |",
+        f"| prompts answered by the target | {metadata['teacher_prompts']} |",
+        f"| answer tokens (teacher positions) | {metadata['teacher_tokens']} |",
+        f"| steps | {metadata['steps']} |",
+        f"| tokens seen (answer positions) | {metadata['tokens_seen']} |",
+        f"| final loss | {metadata['final_loss']:.4f} |",
+        f"| own parameters | {metadata['own_parameters']} |",
+        f"| reduced vocabulary | {metadata['model']['reduced_vocab']} tokens |",
+        f"| seed | {metadata['seed']} |",
+        "",
+        "## Acceptance (specpool zoo eval, k = 5)",
+        "",
+        metadata.get("acceptance_row") or "Not evaluated yet: run `specpool zoo eval`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --- the whole job ----------------------------------------------------------------------------
+
+
+def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
+                  device: str = "cpu") -> dict:
+    """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata."""
+    from target.models import ModelConfig, load_causal_lm, resolve_model, tokenizer_fingerprint
+
+    check_domain(config.domain)
+    if not config.data:
+        raise InvalidArgument("give at least one corpus with --data")
+    for path in config.data:
+        if not Path(path).exists():
+            raise InvalidArgument(f"corpus {path} does not exist")
+    if config.steps < 1:
+        raise InvalidArgument(f"--steps must be >= 1, got {config.steps}")
+    check_writable(out)
+    prompts = collect_prompts([Path(p) for p in config.data], config.max_prompts, config.seed)
+
+    target, tokenizer = load_causal_lm(ModelConfig(target_name, device), home)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    stop_ids = tuple(sorted({tokenizer.eos_token_id}))
+    store = home / "zoo" / "teacher" / teacher_store_key(config, fingerprint)
+    index = generate_teacher(target, tokenizer, prompts, store, config, stop_ids)
+    sequences = load_teacher(prompts, index)
+    if not sequences:
+        raise TrainingError("the target produced no teacher data")
+
+    torch.manual_seed(config.seed)
+    target_state = load_file(str(Path(resolve_model(target_name, home)) / "model.safetensors"))
+    embedding = target_state["model.embed_tokens.weight"].float()  # (V, d)
+    vocab_ids = build_vocab(sequences, config.model.reduced_vocab, embedding.shape[0], stop_ids)
+    model = ZooLM(config.model, embedding, vocab_ids)
+    init_from_target_layers(model, target_state, list(config.init_layers))
+    del target, target_state
+    vocab_map = torch.full((embedding.shape[0],), -1, dtype=torch.long)
+    vocab_map[vocab_ids] = torch.arange(len(vocab_ids))
+
+    checkpoint_dir = home / "zoo" / "checkpoints"
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    run_key = hashlib.sha256(f"{out.resolve()}:{config.domain}".encode()).hexdigest()[:12]
+    checkpoint = checkpoint_dir / f"{config.domain}-{run_key}.pt"
+    if not resume and checkpoint.exists():
+        checkpoint.unlink()
+    state = train_steps(model, sequences, vocab_map, config, checkpoint, resume)
+
+    metadata = {
+        "name": out.name,
+        "kind": "zoo",
+        "domain": config.domain,
+        "target": target_name,
+        "target_tokenizer_fingerprint": fingerprint,
+        "model": config.model.to_dict(),
+        "own_parameters": model.own_parameters(),
+        "data": [str(p) for p in config.data],
+        "teacher_prompts": len(sequences),
+        "teacher_tokens": int(sum(len(s.label_ids) for s in sequences)),
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "final_loss": state.losses[-1] if state.losses else float("nan"),
+        "loss_curve": [round(x, 4) for x in state.losses],
+        "seed": config.seed,
+        "train_config": {k: v for k, v in asdict(config).items() if k not in ("model", "data")},
+    }
+    export_drafter(model, out, metadata, model_card(metadata))
+    return metadata

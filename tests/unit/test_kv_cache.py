@@ -1,0 +1,178 @@
+"""KV caches (target/kv_cache.py): prefix reuse gives the same logits as a fresh forward, and the
+rollback after a verify leaves no trace of rejected draft tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from drafters.hf_model import HFModelDrafter
+from target.kv_cache import PrefixCache, SessionCaches, common_prefix_length
+from target.rejection import SparseDist
+from target.sampling import SamplingParams
+from target.verifier import VerifyRequest
+
+ATOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [
+        ([], [], 0),
+        ([1], [], 0),
+        ([], [1, 2], 0),
+        ([1, 2, 3], [1, 2, 3], 3),
+        ([1, 2, 3], [1, 2, 3, 4], 3),
+        ([1, 2, 3, 4], [1, 2], 2),
+        ([1, 2, 3], [4, 2, 3], 0),
+        ([1, 2, 3, 4, 5], [1, 2, 9, 4, 5], 2),
+        ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], 4),
+        ([7] * 10, [7] * 9 + [8], 9),
+        ([0, 0, 0], [0, 0, 1, 1, 1], 2),
+    ],
+)
+def test_common_prefix_length_table(a, b, expected):
+    assert common_prefix_length(a, b) == expected
+    assert common_prefix_length(b, a) == expected
+
+
+def test_common_prefix_length_every_mismatch_position():
+    rng = random.Random(0)
+    for n in (1, 2, 3, 16, 17, 100):
+        a = [rng.randrange(5) for _ in range(n)]
+        for m in range(n):
+            b = list(a)
+            b[m] += 1
+            assert common_prefix_length(a, b) == m
+            assert common_prefix_length(a, b + [1, 2]) == m
+            assert common_prefix_length(a[: m + 1] + [9], b) == m
+
+
+# -- PrefixCache -----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def fresh_logits(model, ids: list[int], n_last: int) -> torch.Tensor:
+    """Reference: one forward over the whole sequence, no cache."""
+    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -n_last:]
+
+
+def cached_length(cache: PrefixCache) -> int:
+    return 0 if cache.cache is None else int(cache.cache.get_seq_length())
+
+
+def test_prefix_cache_logits_match_fresh_forward_across_edits(target_lm):
+    model, _ = target_lm
+    cache = PrefixCache(model)
+    base = [1, 5, 9, 12, 7, 30, 41]
+    sequence_of_inputs = [
+        (base, 1),
+        (base + [3, 4], 2),  # extends: reuses the prefix
+        (base + [3, 4, 8, 8, 8], 4),
+        (base + [3, 6, 6], 3),  # branches after base + [3]
+        (base[:4], 1),  # shorter than the cache
+        ([1, 60, 61], 2),  # shares only the first token
+        ([2, 5, 9], 1),  # shares nothing
+        ([2, 5, 9], 3),  # same ids, more positions wanted: must re-feed them
+    ]
+    for ids, n_last in sequence_of_inputs:
+        got = cache.logits(ids, n_last)
+        assert got.shape == (n_last, model.config.vocab_size)
+        torch.testing.assert_close(got, fresh_logits(model, ids, n_last), atol=ATOL, rtol=1e-4)
+        assert cache.token_ids == ids
+        assert cached_length(cache) == len(ids)
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 9, 10, 15])
+def test_prefix_cache_truncate(target_lm, length):
+    model, _ = target_lm
+    cache = PrefixCache(model)
+    ids = list(range(3, 13))  # 10 tokens
+    cache.logits(ids, 1)
+    cache.truncate(length)
+    kept = min(length, len(ids))
+    assert cache.token_ids == ids[:kept]
+    assert cached_length(cache) == kept
+    # Whatever was kept still gives the right logits when extended.
+    tail = [20, 21]
+    torch.testing.assert_close(cache.logits(ids[:kept] + tail, 2), fresh_logits(model, ids[:kept] + tail, 2), atol=ATOL, rtol=1e-4)
+
+
+def test_truncate_on_empty_cache_is_a_no_op(target_lm):
+    cache = PrefixCache(target_lm[0])
+    cache.truncate(0)
+    cache.truncate(3)
+    assert cache.token_ids == [] and cache.cache is None
+
+
+# -- rollback through the verifier -------------------------------------------------------------------
+
+
+def test_rejected_drafts_leave_no_trace_greedy(verifier, target_lm, greedy_reference):
+    model, _ = target_lm
+    context = [1, 4, 8, 15, 16, 23, 42]
+    t = greedy_reference(model, context, 6)
+    wrong = (t[2] + 1) % model.config.vocab_size
+    drafts = [t[0], t[1], wrong, t[3], t[4]]  # the third draft is rejected
+    params = SamplingParams(max_new_tokens=10)
+    result = verifier.verify(VerifyRequest("s", context, drafts, [SparseDist.one_hot(x) for x in drafts], params))
+    assert result.accepted == 2
+    assert result.tokens == t[:3]
+
+    cache = verifier.caches.get("s")
+    assert cache.token_ids == context + t[:2]
+    assert cached_length(cache) == len(context) + 2
+    # The next round's logits (over the emitted token and some new drafts) equal a fresh cache's.
+    nxt = context + t[:3] + [9, 10, 11]
+    fresh = PrefixCache(model)
+    torch.testing.assert_close(cache.logits(nxt, 4), fresh.logits(nxt, 4), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(cache.logits(nxt, 4), fresh_logits(model, nxt, 4), atol=ATOL, rtol=1e-4)
+
+
+def test_rejected_drafts_leave_no_trace_over_sampled_rounds(verifier, target_lm, random_lm):
+    """Many sampled rounds with a mostly-rejected drafter; before every round the verifier's cache
+    holds exactly context + accepted tokens, and its logits equal a fresh forward's."""
+    model, _ = target_lm
+    drafter = HFModelDrafter("random", random_lm[0], random_lm[1])
+    params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=40)
+    context = [1, 3, 3, 7, 12, 19]
+    rejections = 0
+    for _ in range(12):
+        proposal = drafter.propose("s", context, 4, params)
+        result = verifier.verify(VerifyRequest("s", context, proposal.tokens, proposal.q, params))
+        rejections += result.accepted < len(proposal.tokens)
+        cache = verifier.caches.get("s")
+        assert cache.token_ids == context + proposal.tokens[: result.accepted]
+        assert cached_length(cache) == len(cache.token_ids)
+        context = context + result.tokens
+        probe = context + [5, 6]
+        snapshot = PrefixCache(model)
+        expected = snapshot.logits(probe, 3)
+        # Probe through the verifier's own cache, then crop the probe off again so the next round
+        # starts from exactly the state the verifier left (context + accepted).
+        got = cache.logits(probe, 3)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+        cache.truncate(len(context) - 1)
+    assert rejections >= 6, "the random drafter should be rejected in most rounds"
+
+
+# -- SessionCaches -------------------------------------------------------------------------------------
+
+
+def test_session_caches_lru(target_lm):
+    caches = SessionCaches(target_lm[0], capacity=2)
+    a = caches.get("a")
+    a.token_ids.append(1)  # mark it
+    caches.get("b")
+    assert caches.get("a") is a  # refreshes "a": now "b" is the oldest
+    caches.get("c")
+    assert len(caches) == 2
+    assert caches.get("a") is a
+    b = caches.get("b")  # "b" was evicted: a new, empty cache
+    assert b.token_ids == []
+    assert len(caches) == 2
+    caches.release("b")
+    caches.release("unknown")
+    assert len(caches) == 1
