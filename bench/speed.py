@@ -135,6 +135,7 @@ class Run:
 def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Callable[[list[int], int], Run]]]:
     """name -> (ours, run(prompt_ids, max_new_tokens)). Each run times only the generate call."""
     import torch
+    from transformers import PreTrainedModel
 
     from target.sampling import SamplingParams
 
@@ -172,7 +173,8 @@ def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Cal
         systems[spec] = (True, ours(spec))
     for spec in specs:
         drafter = engine.drafter(spec)
-        if spec.partition(":")[0] == "hf" and hasattr(drafter, "model"):
+        # HF's assisted generation needs a transformers model as assistant (hf:, early-exit:).
+        if isinstance(getattr(drafter, "model", None), PreTrainedModel):
             assistant = drafter.model
             # transformers reads the draft length from the *assistant's* generation_config (the
             # generate() kwargs are ignored for it: it would draft up to 20 tokens and stop early

@@ -89,3 +89,41 @@ def _resolve_shipped(spec: str) -> str | None:
     return f"zoo:{spec}" if spec in shipped_names() else None
 
 
+
+
+# --- shipping: file hashes and a reference acceptance per drafter -----------------------------
+
+# A fixed prompt per domain for the shipped drafters' reference acceptance (not from dev.jsonl).
+REFERENCE_PROMPTS = {
+    "code": 'Complete the following Python function.\n\n```python\ndef is_palindrome(text: str) -> bool:\n'
+            '    """Return True if text reads the same forwards and backwards, ignoring case."""\n```',
+    "math": "A baker makes 48 cupcakes and sells them in boxes of 6. She sells 5 boxes. How many cupcakes are left?",
+    "translation": "Translate English to German: The committee will discuss the new proposal next week .",
+    "summarization_qa": "The city council voted on Tuesday to build a new library downtown. The project will cost "
+                        "12 million dollars and open in 2027.\n\nTL;DR:",
+    "chat": "Give me three tips for staying focused while studying.",
+    "general": "Give me three tips for staying focused while studying.",
+}
+REFERENCE_SETTINGS = {"k": 5, "max_new_tokens": 48, "temperature": 0.0}
+
+
+def shipped_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def build_manifest(names: list[str], target: str, target_fingerprint: str, measure) -> dict:
+    """Hashes of every shipped file and each drafter's acceptance on its reference prompt.
+
+    ``measure(name, prompt) -> mean accepted length`` runs the drafter (greedy, REFERENCE_SETTINGS).
+    """
+    drafters = {}
+    for name in names:
+        folder = SHIPPED_DIR / name
+        metadata = json.loads((folder / "config.json").read_text())
+        prompt = REFERENCE_PROMPTS.get(metadata["domain"], REFERENCE_PROMPTS["general"])
+        drafters[name] = {
+            "domain": metadata["domain"],
+            "files": {p.name: file_sha256(p) for p in shipped_files(folder)},
+            "reference": {"prompt": prompt, **REFERENCE_SETTINGS, "mean_accepted_length": round(measure(name, prompt), 4)},
+        }
+    return {"target": target, "target_tokenizer_fingerprint": target_fingerprint, "drafters": drafters}

@@ -48,20 +48,23 @@ class TrainingError(SpecpoolError):
 class TrainConfig:
     domain: str
     data: tuple[str, ...]  # corpus files or folders
-    steps: int = 600  # optimiser steps
+    steps: int = 300  # optimiser steps
     batch_size: int = 8  # sequences per step
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0
-    max_prompts: int = 480  # prompts the target answers for the teacher data
-    max_new_tokens: int = 80  # length of each teacher answer
+    max_prompts: int = 320  # prompts the target answers for the teacher data
+    max_new_tokens: int = 64  # length of each teacher answer
     max_prompt_tokens: int = 320  # prompts are cut from the left to this many tokens
+    train_context_tokens: int = 160  # prompt tokens kept before the answer when training (speed)
     teacher_top_k: int = 20  # teacher distribution entries kept per position
     teacher_batch: int = 32  # prompts per batched generate call (~5x the tokens/s of one at a time on 2 cores)
     save_every: int = 100  # checkpoint period, in steps
     init_layers: tuple[int, ...] = (0, 1)  # target layers that warm-start the drafter's blocks
-    model: ZooConfig = field(default_factory=ZooConfig)
+    num_layers: int = 2  # drafter blocks
+    intermediate_size: int = 768  # drafter MLP width (capped by the target's)
+    reduced_vocab: int = 8192  # drafter output vocabulary (capped by the target's)
 
 
 # --- 1. teacher data --------------------------------------------------------------------------
@@ -81,11 +84,10 @@ def prompt_hash(prompt: str) -> int:
 
 
 def encode_chat(tokenizer, prompt: str, max_prompt_tokens: int) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    ids = list(ids)
-    return ids[-max_prompt_tokens:]
+    """The prompt as the engine encodes it (chat template), cut from the left to fit."""
+    from target.models import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
 
 
 def teacher_index(store: Path) -> dict[int, tuple[Path, int]]:
@@ -230,6 +232,14 @@ def batch_indices(step: int, n_sequences: int, batch_size: int, seed: int) -> li
     return out
 
 
+def trim_context(seq: Sequence, context_tokens: int) -> Sequence:
+    """Keep at most ``context_tokens`` prompt tokens before the answer (cut from the left)."""
+    cut = max(seq.answer_start - context_tokens, 0)
+    if cut == 0:
+        return seq
+    return Sequence(seq.tokens[cut:], seq.answer_start - cut, seq.label_ids, seq.label_probs)
+
+
 def collate(sequences: list[Sequence], vocab_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded inputs (B, L), and for each answer position the teacher's labels mapped into
     the reduced vocabulary: ids (B, L, K) with -1 where absent, probs (B, L, K), mask (B, L)."""
@@ -310,7 +320,8 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
     bar = tqdm(total=until, initial=state.step, desc=f"distil {config.domain}", unit="step", dynamic_ncols=True)
     window_loss, window_steps, started, window_tokens = 0.0, 0, time.perf_counter(), 0
     while state.step < until:
-        batch = [sequences[i] for i in batch_indices(state.step, len(sequences), config.batch_size, config.seed)]
+        batch = [trim_context(sequences[i], config.train_context_tokens)
+                 for i in batch_indices(state.step, len(sequences), config.batch_size, config.seed)]
         inputs, ids, probs, mask = collate(batch, vocab_map)
         for group in optimizer.param_groups:
             group["lr"] = _lr(state.step, config)
@@ -405,6 +416,23 @@ def model_card(metadata: dict) -> str:
 # --- the whole job ----------------------------------------------------------------------------
 
 
+def zoo_config_for(target_config, config: TrainConfig) -> ZooConfig:
+    """A drafter shape that plugs into this target: its width, heads and RoPE, our depth."""
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
+    return ZooConfig(
+        hidden_size=target_config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=target_config.num_attention_heads,
+        num_kv_heads=getattr(target_config, "num_key_value_heads", target_config.num_attention_heads),
+        intermediate_size=min(config.intermediate_size, target_config.intermediate_size),
+        reduced_vocab=min(config.reduced_vocab, target_config.vocab_size),
+        rope_theta=float(theta),
+        rms_eps=float(target_config.rms_norm_eps),
+        max_positions=int(target_config.max_position_embeddings),
+    )
+
+
 def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
                   device: str = "cpu") -> dict:
     """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata."""
@@ -433,9 +461,11 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     torch.manual_seed(config.seed)
     target_state = load_file(str(Path(resolve_model(target_name, home)) / "model.safetensors"))
     embedding = target_state["model.embed_tokens.weight"].float()  # (V, d)
-    vocab_ids = build_vocab(sequences, config.model.reduced_vocab, embedding.shape[0], stop_ids)
-    model = ZooLM(config.model, embedding, vocab_ids)
-    init_from_target_layers(model, target_state, list(config.init_layers))
+    zoo_config = zoo_config_for(target.config, config)
+    vocab_ids = build_vocab(sequences, zoo_config.reduced_vocab, embedding.shape[0], stop_ids)
+    model = ZooLM(zoo_config, embedding, vocab_ids)
+    last = target.config.num_hidden_layers - 1
+    init_from_target_layers(model, target_state, [min(i, last) for i in config.init_layers][: zoo_config.num_layers])
     del target, target_state
     vocab_map = torch.full((embedding.shape[0],), -1, dtype=torch.long)
     vocab_map[vocab_ids] = torch.arange(len(vocab_ids))
@@ -454,7 +484,7 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
         "domain": config.domain,
         "target": target_name,
         "target_tokenizer_fingerprint": fingerprint,
-        "model": config.model.to_dict(),
+        "model": zoo_config.to_dict(),
         "own_parameters": model.own_parameters(),
         "data": [str(p) for p in config.data],
         "teacher_prompts": len(sequences),
@@ -464,7 +494,7 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
         "final_loss": state.losses[-1] if state.losses else float("nan"),
         "loss_curve": [round(x, 4) for x in state.losses],
         "seed": config.seed,
-        "train_config": {k: v for k, v in asdict(config).items() if k not in ("model", "data")},
+        "train_config": {k: v for k, v in asdict(config).items() if k != "data"},
     }
     export_drafter(model, out, metadata, model_card(metadata))
     return metadata

@@ -67,15 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--domain", required=True, help="code, math, translation, summarization_qa, chat or general")
     train.add_argument("--data", nargs="+", metavar="PATH", help="corpus files or folders")
     train.add_argument("--data-root", default=None, help="instead of --data: a shared/data folder; use the domain's default recipe")
-    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--steps", type=int, default=300)
     train.add_argument("--out", default=None, help="output folder (default: $SPECPOOL_HOME/zoo/drafters/DOMAIN)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--max-prompts", type=int, default=480, help="prompts the target answers for teacher data")
-    train.add_argument("--max-new-tokens", type=int, default=80, help="teacher answer length")
+    train.add_argument("--max-prompts", type=int, default=320, help="prompts the target answers for teacher data")
+    train.add_argument("--max-new-tokens", type=int, default=64, help="teacher answer length")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
     train.add_argument("--target", default=None, help="target model (default: the embedded default)")
+    zoo_commands.add_parser("manifest", help="hash the shipped drafters (drafters/zoo/) and record their reference acceptance")
     from bench.zoo_eval import add_zoo_eval_arguments
 
     zoo_eval = zoo_commands.add_parser("eval", help="cross-domain acceptance matrix of drafters x categories")
@@ -196,6 +197,29 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
     return 0
 
 
+def cmd_zoo_manifest(settings) -> int:
+    import json
+
+    from drafters.zoo import MANIFEST, REFERENCE_SETTINGS, SHIPPED_DIR, build_manifest
+    from services.engine import EmbeddedEngine
+    from target.models import DEFAULT_TARGET
+    from target.sampling import SamplingParams
+
+    names = sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").exists())
+    engine = EmbeddedEngine.default(settings.home)
+
+    def measure(name: str, prompt: str) -> float:
+        params = SamplingParams(max_new_tokens=REFERENCE_SETTINGS["max_new_tokens"], stop_token_ids=engine.stop_token_ids())
+        result = engine.generate(engine.encode_prompt(prompt), params, f"zoo:{SHIPPED_DIR / name}", k=REFERENCE_SETTINGS["k"])
+        return result.mean_accepted_length
+
+    manifest = build_manifest(names, DEFAULT_TARGET, engine.verifier.tokenizer_fingerprint, measure)
+    MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum((SHIPPED_DIR / n / f).stat().st_size for n in names for f in manifest["drafters"][n]["files"])
+    print(f"wrote {MANIFEST}: {len(names)} drafters, {total / 1e6:.1f} MB")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from services.config import settings_from_env
 
@@ -210,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_models(args, settings)
         if args.command == "zoo" and args.zoo_command == "train":
             return cmd_zoo_train(args, settings, argv)
+        if args.command == "zoo" and args.zoo_command == "manifest":
+            return cmd_zoo_manifest(settings)
         if args.command == "zoo" and args.zoo_command == "eval":
             from bench.zoo_eval import run_zoo_eval
 

@@ -11,7 +11,7 @@ from drafters.base import Drafter
 from drafters.registry import DrafterContext, create_drafter
 from router.errors import check
 from router.loop import FixedChooser, GenerationResult, speculative_generate
-from target.models import DEFAULT_TARGET, ModelConfig, check_same_tokenizer, load_causal_lm
+from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, check_same_tokenizer, load_causal_lm
 from target.sampling import SamplingParams, validate_draft_length
 from target.verifier import TargetVerifier
 
@@ -52,14 +52,9 @@ class EmbeddedEngine:
     # -- prompts --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         check(bool(prompt.strip()), "the prompt is empty")
-        if raw or not getattr(self.tokenizer, "chat_template", None):
+        if raw:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, prompt)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         ids = {self.tokenizer.eos_token_id}

@@ -181,6 +181,17 @@ def check_same_tokenizer(target_fp: str, drafter_fp: str, drafter_name: str) -> 
         )
 
 
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn of the tokenizer's chat template, ready for the
+    assistant's answer (plain encoding when the tokenizer has no template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def context_window(model: PreTrainedModel) -> int:
     return int(getattr(model.config, "max_position_embeddings", 2048))
 
