@@ -118,7 +118,7 @@ def _read_text(path: Path, seed: int) -> list[str]:
         return [f"Translate English to German: {line}" for line in lines if line]
     # Prose: passages of a few consecutive non-empty lines.
     text = [line for line in lines if line]
-    return [f"Continue the text: {' '.join(text[i:i + 4])}" for i in range(0, max(len(text) - 4, 0), 8)]
+    return [f"Continue the text: {' '.join(text[i:i + 4])}" for i in range(0, max(len(text) - 3, 1), 8)] if text else []
 
 
 def read_prompts(path: Path, seed: int = 0) -> list[str]:

@@ -234,7 +234,7 @@ def batch_indices(step: int, n_sequences: int, batch_size: int, seed: int) -> li
 
 def trim_context(seq: Sequence, context_tokens: int) -> Sequence:
     """Keep at most ``context_tokens`` prompt tokens before the answer (cut from the left)."""
-    cut = max(seq.answer_start - context_tokens, 0)
+    cut = max(seq.answer_start - max(context_tokens, 1), 0)  # keep >= 1 token: logits at answer_start-1
     if cut == 0:
         return seq
     return Sequence(seq.tokens[cut:], seq.answer_start - cut, seq.label_ids, seq.label_probs)
@@ -351,14 +351,32 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
 # --- 4. output --------------------------------------------------------------------------------
 
 
-def check_writable(out: Path) -> None:
-    """Fail before any work if ``out`` cannot be created or written."""
+DRAFTER_FILES = ("model.safetensors", "config.json", "README.md")
+
+
+def check_writable(folder: Path) -> None:
+    """Fail before any work if ``folder`` cannot be created or written."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-", delete=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-", delete=True)
         probe.close()
     except OSError as exc:
-        raise InvalidArgument(f"output directory {out} is not writable ({exc.strerror or exc})") from None
+        raise InvalidArgument(f"output directory {folder} is not writable ({exc.strerror or exc})") from None
+
+
+def check_output_dir(out: Path) -> None:
+    """``out`` will be replaced by the drafter: it must be absent, empty or a drafter already,
+    never a folder of other files, and its parent must be writable. Nothing is created in it."""
+    if out.exists() and not out.is_dir():
+        raise InvalidArgument(f"output directory {out} is not writable: it exists and is not a folder")
+    if out.is_dir() and any(p.name not in DRAFTER_FILES for p in out.iterdir()):
+        raise InvalidArgument(f"output directory {out} holds files that are not a zoo drafter's; choose another --out")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidArgument(f"output directory {out} is not writable: {parent} is not a folder")
+    check_writable(parent)
 
 
 def export_drafter(model: ZooLM, out: Path, metadata: dict, card: str) -> None:
@@ -444,9 +462,11 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     for path in config.data:
         if not Path(path).exists():
             raise InvalidArgument(f"corpus {path} does not exist")
-    if config.steps < 1:
-        raise InvalidArgument(f"--steps must be >= 1, got {config.steps}")
-    check_writable(out)
+    for flag, value in (("--steps", config.steps), ("--batch-size", config.batch_size),
+                        ("--max-prompts", config.max_prompts), ("--max-new-tokens", config.max_new_tokens)):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    check_output_dir(out)
     prompts = collect_prompts([Path(p) for p in config.data], config.max_prompts, config.seed)
 
     target, tokenizer = load_causal_lm(ModelConfig(target_name, device), home)

@@ -166,7 +166,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
     from pathlib import Path
 
     from drafters.zoo_data import check_domain
-    from drafters.zoo_train import TrainConfig, check_writable, train_drafter
+    from drafters.zoo_train import TrainConfig, check_output_dir, train_drafter
     from target.models import DEFAULT_TARGET
 
     from drafters.zoo_data import DEFAULT_RECIPES
@@ -177,11 +177,12 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
         raise InvalidArgument("give either --data PATH... or --data-root DIR (the domain's default recipe)")
     data = args.data or [str(Path(args.data_root) / p) for p in DEFAULT_RECIPES[args.domain]]
     out = Path(args.out) if args.out else settings.home / "zoo" / "drafters" / args.domain
-    check_writable(out.parent)
+    check_output_dir(out)
     if args.background:
         import subprocess
 
         log = out.with_suffix(".log")
+        log.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "services.cli", *[a for a in argv if a != "--background"]]
         with open(log, "ab") as handle:
             proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
