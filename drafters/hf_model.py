@@ -30,6 +30,7 @@ class HFModelDrafter:
         tokenizer: PreTrainedTokenizerBase | None,
         top_k: int = 16,  # support of q: wider costs wire and time, narrower costs acceptance
         cache_capacity: int = 64,
+        confidence_threshold: float = 0.0,  # stop drafting once the drafter's top probability falls below
     ):
         if top_k < 1:
             raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
@@ -37,6 +38,10 @@ class HFModelDrafter:
         self.model = model
         self.tokenizer = tokenizer
         self.top_k = top_k
+        # Dynamic draft length (as transformers' assistant_confidence_threshold): a token the
+        # drafter itself doubts is likely rejected, and on a CPU every extra verify position
+        # costs. Where to stop depends only on the drafter's own state, so verification stays exact.
+        self.confidence_threshold = confidence_threshold
         self.caches = SessionCaches(model, cache_capacity)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         self.cost = CostMeter()
@@ -74,6 +79,10 @@ class HFModelDrafter:
                 token = int(dist.token_ids[torch.multinomial(dist.probs, 1, generator=gen)])
             tokens.append(token)
             q.append(dist)
+            if self.confidence_threshold > 0.0 and i + 1 < k:
+                confidence = float(torch.softmax(logits.float(), dim=-1).max())
+                if confidence < self.confidence_threshold:
+                    break
         self.cost.record(time.perf_counter() - started, len(tokens))
         return Proposal(tokens, q, forward_s)
 
