@@ -218,9 +218,3 @@ def init_from_target_layers(model: ZooLM, target_state: dict[str, torch.Tensor],
             block.up_proj.weight.copy_(target_state[f"{prefix}mlp.up_proj.weight"][keep])
             block.down_proj.weight.copy_(down[:, keep])
         model.norm.weight.copy_(target_state["model.norm.weight"])
-
-
-def parameter_count_bytes(model: ZooLM, dtype: torch.dtype = torch.float16) -> int:
-    return model.own_parameters() * torch.tensor([], dtype=dtype).element_size()
-
-

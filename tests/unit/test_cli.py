@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from cli_helpers import assert_one_line_error
 from services.cli import EXIT_USAGE, main
 
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
@@ -31,14 +32,6 @@ def cli(monkeypatch, tmp_path, capsys, model_dirs):
     return run
 
 
-def assert_one_line_error(code, err, *fragments):
-    assert code == EXIT_USAGE, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("specpool: error:"), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 BAD_GENERATE = {

@@ -45,6 +45,7 @@ from drafters.zoo_train import (
     zoo_config_for,
 )
 from router.errors import InvalidArgument, NotFound
+from cli_helpers import assert_one_line_error
 from services.cli import EXIT_USAGE, main
 from target.models import ModelConfig, load_causal_lm, tokenizer_fingerprint
 from target.sampling import SamplingParams
@@ -333,7 +334,7 @@ def test_zoo_proposals_are_real_token_ids(trained, engine):
 
     greedy = drafter.propose("zoo-ids-greedy", context, 4, SamplingParams(temperature=0.0))
     drafter.release("zoo-ids-greedy")
-    assert len(greedy.tokens) == 4 and set(greedy.tokens) <= vocab
+    assert 1 <= len(greedy.tokens) <= 4 and set(greedy.tokens) <= vocab  # may stop early (confidence)
     first_logits = model(torch.tensor([context])).logits[0, -1]  # (48,) reduced vocabulary
     assert greedy.tokens[0] == int(model.vocab_ids[first_logits.argmax()])  # index mapped to its id
     assert [q.token_ids.tolist() for q in greedy.q] == [[t] for t in greedy.tokens]
@@ -527,14 +528,6 @@ def cli(monkeypatch, tmp_path, capsys, model_dirs):
     return run
 
 
-def assert_one_line_error(code, err, *fragments):
-    assert code == EXIT_USAGE, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("specpool: error:"), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 # case -> (arguments after "zoo train"; "{corpus}" and "{tmp}" are filled in, fragments of the error)
