@@ -30,6 +30,10 @@ from bench import report
 from router.errors import InvalidArgument, NotFound, check
 
 WARMUP_PROMPT = "Say hello."
+IN_DOMAIN = "in-domain"
+# Spec-Bench categories -> the shipped zoo drafter trained for them (drafters/zoo_data.py).
+IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
+                      "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
 WARMUP_TOKENS = 8
 
 
@@ -40,6 +44,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafters", default="ngram", help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
     parser.add_argument("-k", type=int, default=5, help="draft length per round, for ours and the HF peers (default 5)")
     parser.add_argument("--out", default="bench/results/latest", help="output folder (default bench/results/latest)")
+    parser.add_argument("--in-domain", action="store_true",
+                        help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
 
 
 # -- inputs (no models) -------------------------------------------------------------------------
@@ -97,7 +103,7 @@ def command_line(args: argparse.Namespace) -> str:
         "specpool", "bench", "--prompts", str(args.prompts), "--limit-per-category", str(args.limit_per_category),
         "--max-new-tokens", str(args.max_new_tokens), "--drafters", args.drafters, "-k", str(args.k),
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
-    ])
+    ] + (["--in-domain"] if args.in_domain else []))
 
 
 def machine_info(device: str) -> dict:
@@ -132,8 +138,8 @@ class Run:
     result: object | None = None  # our GenerationResult; None for HF systems
 
 
-def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Callable[[list[int], int], Run]]]:
-    """name -> (ours, run(prompt_ids, max_new_tokens)). Each run times only the generate call."""
+def build_systems(engine, specs: list[str], k: int, in_domain: bool = False) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
+    """name -> (ours, run(prompt_ids, max_new_tokens, category)). Each run times only the generate call."""
     import torch
     from transformers import PreTrainedModel
 
@@ -144,7 +150,7 @@ def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Cal
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def ours(drafter: str | None):
-        def run(prompt_ids: list[int], n: int) -> Run:
+        def run(prompt_ids: list[int], n: int, category: str) -> Run:
             params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
             sync()
             started = time.perf_counter()
@@ -154,7 +160,7 @@ def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Cal
         return run
 
     def hf(**peer_kwargs):
-        def run(prompt_ids: list[int], n: int) -> Run:
+        def run(prompt_ids: list[int], n: int, category: str) -> Run:
             input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
             sync()
             started = time.perf_counter()
@@ -171,6 +177,11 @@ def build_systems(engine, specs: list[str], k: int) -> dict[str, tuple[bool, Cal
     systems = {report.TARGET: (True, ours(None))}
     for spec in specs:
         systems[spec] = (True, ours(spec))
+    if in_domain:
+        by_category = {c: ours(d) for c, d in IN_DOMAIN_DRAFTERS.items()}
+        for drafter in set(IN_DOMAIN_DRAFTERS.values()):
+            engine.drafter(drafter)  # load (and check) before timing
+        systems[IN_DOMAIN] = (True, lambda prompt_ids, n, category: by_category.get(category, ours("general"))(prompt_ids, n, category))
     for spec in specs:
         drafter = engine.drafter(spec)
         # HF's assisted generation needs a transformers model as assistant (hf:, early-exit:).
@@ -228,13 +239,13 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     print(f"specpool bench: loading {args.target} and drafters {', '.join(specs)} ...", file=sys.stderr)
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
                                          drafter_device=args.device, drafter_dtype=args.dtype))
-    systems = build_systems(engine, specs, args.k)
+    systems = build_systems(engine, specs, args.k, args.in_domain)
     names = list(systems)
     prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
 
     warmup_ids = engine.encode_prompt(WARMUP_PROMPT)
     for _, run in systems.values():
-        run(warmup_ids, min(WARMUP_TOKENS, args.max_new_tokens))
+        run(warmup_ids, min(WARMUP_TOKENS, args.max_new_tokens), "chat")
 
     records: list[dict] = []
     interrupted = False
@@ -243,7 +254,8 @@ def run_bench(args: argparse.Namespace, settings) -> int:
         try:
             for i, question in bar:
                 shift = i % len(names)  # rotate the order so no system always runs first
-                runs = {name: systems[name][1](prompt_ids[i], args.max_new_tokens) for name in names[shift:] + names[:shift]}
+                runs = {name: systems[name][1](prompt_ids[i], args.max_new_tokens, question.category)
+                        for name in names[shift:] + names[:shift]}
                 target_ids = runs[report.TARGET].token_ids
                 for name in names:
                     rec = make_record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
@@ -270,7 +282,8 @@ def run_bench(args: argparse.Namespace, settings) -> int:
         categories[q.category] = categories.get(q.category, 0) + 1
     config = {
         "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
-        "drafters": specs, "systems": names, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "drafters": specs, "systems": names,
+        "in_domain_drafters": IN_DOMAIN_DRAFTERS if args.in_domain else None, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
         "prompts_file": str(prompts_path), "n_prompts": n_done, "limit_per_category": args.limit_per_category,
         "categories": categories, "stop_token_ids": list(engine.stop_token_ids()),
         "hf_assisted": {"num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},

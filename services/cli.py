@@ -201,12 +201,12 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 def cmd_zoo_manifest(settings) -> int:
     import json
 
-    from drafters.zoo import MANIFEST, REFERENCE_SETTINGS, SHIPPED_DIR, build_manifest
+    from drafters.zoo import MANIFEST, REFERENCE_SETTINGS, SHIPPED_DIR, build_manifest, shipped_names
     from services.engine import EmbeddedEngine
     from target.models import DEFAULT_TARGET
     from target.sampling import SamplingParams
 
-    names = sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").exists())
+    names = shipped_names()
     engine = EmbeddedEngine.default(settings.home)
 
     def measure(name: str, prompt: str) -> float:
