@@ -30,7 +30,7 @@ def hf_peer(system: str) -> str | None:
     kind = system.partition(":")[0]
     if kind == "ngram":
         return HF_PROMPT_LOOKUP
-    if kind == "hf":
+    if kind in ("hf", "early-exit"):  # model drafters that are transformers models
         return HF_ASSISTED + system
     return None
 

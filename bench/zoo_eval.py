@@ -30,6 +30,8 @@ def add_zoo_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled (temperature 0.7) runs")
     parser.add_argument("--out", default="bench/results/zoo", help="output folder (default bench/results/zoo)")
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
+    parser.add_argument("--write-cards", action="store_true",
+                        help="write each shipped drafter's row into its model card (then rerun `specpool zoo manifest`)")
 
 
 def aggregate_cells(records: list[dict]) -> list[dict]:
@@ -82,6 +84,38 @@ def markdown_matrix(rows: list[dict], temperature: float, key: str) -> str:
 
 def _drafter_order(name: str) -> tuple[int, str]:
     return (1 if name.startswith("ngram") else 0, name)
+
+
+def acceptance_row(rows: list[dict], drafter: str) -> str:
+    """The drafter's row of the matrix as a small Markdown table, for its model card."""
+    lines = []
+    for temperature in TEMPERATURES:
+        mine = {r["category"]: r for r in rows if r["drafter"] == drafter and r["temperature"] == temperature}
+        if not mine:
+            continue
+        categories = sorted(c for c in mine if c != "all") + ["all"]
+        if not lines:
+            lines += ["| temperature | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]
+        cells = [f"{mine[c]['mean_accepted_length']:.2f} (BD {mine[c]['mean_bd'] or 0:.2f})" for c in categories]
+        lines.append(f"| {temperature} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_cards(rows: list[dict], source: str) -> list[str]:
+    """Put each shipped drafter's acceptance row into its model card (README.md)."""
+    from drafters.zoo import SHIPPED_DIR, shipped_names
+    from drafters.zoo_train import model_card
+
+    written = []
+    for name in shipped_names():
+        row = acceptance_row(rows, name)
+        if not row:
+            continue
+        metadata = json.loads((SHIPPED_DIR / name / "config.json").read_text())
+        metadata["acceptance_row"] = f"Mean accepted length (and BD) per category, from `{source}`:\n\n{row}"
+        (SHIPPED_DIR / name / "README.md").write_text(model_card(metadata))
+        written.append(name)
+    return written
 
 
 def plot_heatmap(rows: list[dict], path: Path, title: str) -> None:
@@ -173,4 +207,6 @@ def run_zoo_eval(args: argparse.Namespace, settings) -> int:
     plot_heatmap(rows, out / "heatmap.png", f"{target}, k={args.k}, {len(questions)} prompts")
     print(markdown_matrix(rows, 0.0, "mean_accepted_length"))
     print(f"\nwrote {out}/matrix.json, matrix.md, heatmap.png")
+    if args.write_cards:
+        print(f"model cards updated: {', '.join(write_cards(rows, command)) or 'none'}")
     return 0
