@@ -189,3 +189,24 @@ def engine(model_dirs, home):
     from services.engine import EmbeddedEngine, EngineConfig
 
     return EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))))
+
+
+@pytest.fixture
+def cli(monkeypatch, tmp_path, capsys, model_dirs):
+    """Run ``specpool ARGS`` in-process with the tiny target (``target=None``: no --target);
+    returns (exit code, stdout, stderr)."""
+    from services.cli import main
+
+    monkeypatch.setenv("SPECPOOL_HOME", str(tmp_path / "home"))
+
+    def run(*args: str, target: str | None = str(model_dirs.target)):
+        argv = list(args) + (["--target", target] if target is not None else [])
+        capsys.readouterr()  # drop anything printed before
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse usage errors exit from inside parse_args
+            code = exc.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

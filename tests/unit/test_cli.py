@@ -9,27 +9,10 @@ import json
 import pytest
 
 from cli_helpers import assert_one_line_error
-from services.cli import EXIT_USAGE, main
 
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
 
 
-@pytest.fixture
-def cli(monkeypatch, tmp_path, capsys, model_dirs):
-    """Run ``specpool ARGS`` in-process with the tiny target; returns (exit code, stdout, stderr)."""
-    monkeypatch.setenv("SPECPOOL_HOME", str(tmp_path / "home"))
-
-    def run(*args: str, target: str | None = str(model_dirs.target)):
-        argv = list(args) + (["--target", target] if target is not None else [])
-        capsys.readouterr()  # drop anything printed before
-        try:
-            code = main(argv)
-        except SystemExit as exc:  # argparse usage errors exit from inside parse_args
-            code = exc.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 

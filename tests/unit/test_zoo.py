@@ -46,7 +46,6 @@ from drafters.zoo_train import (
 )
 from router.errors import InvalidArgument, NotFound
 from cli_helpers import assert_one_line_error
-from services.cli import EXIT_USAGE, main
 from target.models import ModelConfig, load_causal_lm, tokenizer_fingerprint
 from target.sampling import SamplingParams
 
@@ -511,21 +510,6 @@ def test_existing_unrelated_folder_is_not_wiped(tmp_path, zoo_home, corpus, mode
 # --- 5. the command line --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli(monkeypatch, tmp_path, capsys, model_dirs):
-    """Run ``specpool ARGS --target TINY`` in-process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setenv("SPECPOOL_HOME", str(tmp_path / "home"))
-
-    def run(*args: str):
-        capsys.readouterr()
-        try:
-            code = main([*args, "--target", str(model_dirs.target)])
-        except SystemExit as exc:  # argparse usage errors exit from inside parse_args
-            code = exc.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 
