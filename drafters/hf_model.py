@@ -31,6 +31,7 @@ class HFModelDrafter:
         top_k: int = 16,  # support of q: wider costs wire and time, narrower costs acceptance
         cache_capacity: int = 64,
         confidence_threshold: float = 0.0,  # stop drafting once the drafter's top probability falls below
+        output_ids: torch.Tensor | None = None,  # (V_out,) model output index -> token id; None = identity
     ):
         if top_k < 1:
             raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
@@ -46,7 +47,7 @@ class HFModelDrafter:
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         self.cost = CostMeter()
         # Models with a reduced output vocabulary (zoo drafters) map their indices to token ids.
-        self.output_ids: torch.Tensor | None = getattr(self, "output_ids", None)
+        self.output_ids = output_ids
 
     def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
         """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the

@@ -62,11 +62,11 @@ class ZooDrafter(HFModelDrafter):
     full-vocabulary ids through ``vocab_ids``."""
 
     def __init__(self, name: str, model: ZooLM, metadata: dict, top_k: int = 16, confidence_threshold: float = 0.4):
-        self.metadata = metadata
-        self.output_ids = model.vocab_ids.cpu()  # (V_r,) reduced index -> token id
         # Small drafters are often unsure; stopping at confidence < 0.4 (transformers' default
         # for assistants) keeps doubtful tokens out of the verify pass.
-        super().__init__(name, model, tokenizer=None, top_k=top_k, confidence_threshold=confidence_threshold)
+        super().__init__(name, model, tokenizer=None, top_k=top_k, confidence_threshold=confidence_threshold,
+                         output_ids=model.vocab_ids.cpu())
+        self.metadata = metadata
         self.tokenizer_fingerprint = metadata["target_tokenizer_fingerprint"]
 
 
