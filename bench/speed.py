@@ -46,6 +46,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench/results/latest", help="output folder (default bench/results/latest)")
     parser.add_argument("--in-domain", action="store_true",
                         help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
+    policies = parser.add_argument_group("policies (bench/policies.py): drafter selection on a shuffled, mixed stream")
+    policies.add_argument("--policies", default=None,
+                          help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
+    policies.add_argument("--pool", default=None, help="drafters the policies choose among (default: ngram and every shipped zoo drafter)")
+    policies.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight (default 0.2)")
+    policies.add_argument("--store", default="memory", help="session store: memory (default) or redis://HOST:PORT/DB")
+    policies.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle and the policies")
 
 
 # -- inputs (no models) -------------------------------------------------------------------------
@@ -226,6 +233,10 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     from target.models import ModelConfig
     from target.sampling import validate_draft_length
 
+    if args.policies is not None:
+        from bench.policies import run_policy_bench
+
+        return run_policy_bench(args, settings)
     # Everything checkable without a model is checked before the (slow) model load.
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     validate_draft_length(args.k)

@@ -28,6 +28,12 @@ class ModelUnavailable(SpecpoolError):
     code = "UNAVAILABLE"
 
 
+class StoreUnavailable(SpecpoolError):
+    """The session state store (Redis) cannot be reached or refused the connection."""
+
+    code = "UNAVAILABLE"
+
+
 class IncompatibleModels(InvalidArgument):
     """Drafter and target do not share a tokenizer, so token ids would mean different things."""
 

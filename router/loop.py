@@ -36,10 +36,18 @@ class RoundRecord:
     verify_forward_s: float = 0.0  # time spent inside the target's forward
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a chooser picked for one round."""
+
+    drafter: str | None  # None: a target-only step
+    k: int | None = None  # draft length; None: the request's k
+
+
 class DrafterChooser(Protocol):
     """Picks the drafter for each round and learns from its outcome (policies in router/)."""
 
-    def select(self) -> str | None: ...
+    def select(self) -> Choice: ...
 
     def update(self, record: RoundRecord) -> None: ...
 
@@ -50,8 +58,8 @@ class FixedChooser:
 
     name: str | None
 
-    def select(self) -> str | None:
-        return self.name
+    def select(self) -> Choice:
+        return Choice(self.name)
 
     def update(self, record: RoundRecord) -> None:
         pass
@@ -63,6 +71,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
     rounds: list[RoundRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    chooser_s: float = 0.0  # time inside the chooser (policy math and session store), if measured
+    trace: list = field(default_factory=list)  # the policy's per-round view (router/bandit.py), if asked
 
     @property
     def mean_accepted_length(self) -> float:
@@ -100,6 +110,7 @@ def speculative_generate(
     k: int,
     on_tokens: Callable[[list[int]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -118,8 +129,9 @@ def speculative_generate(
         round_started = time.perf_counter()
         remaining = params.max_new_tokens - len(generated)
         context = prompt_ids + generated
-        name = chooser.select()
-        k_round = min(k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
+        choice = chooser.select()
+        name = choice.drafter
+        k_round = min(choice.k or k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
         proposal = _EMPTY
         if name is not None and k_round > 0:
             proposal = drafters[name].propose(session_id, context, k_round, params)
@@ -151,6 +163,8 @@ def speculative_generate(
         )
         rounds.append(record)
         chooser.update(record)
+        if on_round is not None:
+            on_round(record)
         if finish_reason == "stop":
             break
     return GenerationResult(generated, finish_reason, rounds, time.perf_counter() - started)

@@ -45,7 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text for one prompt (embedded mode)")
     gen.add_argument("prompt")
-    gen.add_argument("--drafter", default="ngram", help="drafter spec (ngram, ngram:MIN-MAX, hf:PATH) or none; default ngram")
+    gen.add_argument("--drafter", default=None,
+                     help="one fixed drafter: a spec (ngram, code, hf:PATH, ...) or none; default ngram unless --policy is given")
+    gen.add_argument("--policy", default=None,
+                     help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
+                          "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, random, fixed:NAME; append +warm for tenant warm start")
+    gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default: ngram and every shipped zoo drafter)")
+    gen.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight β > 0 (default 0.2)")
+    gen.add_argument("--tenant", default="default", help="tenant whose statistics a +warm policy starts from (default: default)")
+    gen.add_argument("--session", default=None, help="session id: bandit state carries over between requests of one session")
+    gen.add_argument("--store", default="memory", help="bandit state store: memory (default) or redis://HOST:PORT/DB")
+    gen.add_argument("--trace", action="store_true", help="print one line per round to stderr: drafter, k, accepted, BD")
     gen.add_argument("-k", type=int, default=5, help="draft length per round (1..32, default 5)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -102,7 +112,8 @@ def _sampling_params(args: argparse.Namespace, stop_token_ids: tuple[int, ...]):
 def cmd_generate(args: argparse.Namespace, settings) -> int:
     from drafters.registry import drafter_kinds, known_spec
     from drafters.zoo import shipped_names
-    from router.errors import NotFound, check
+    from router.errors import InvalidArgument, NotFound, check
+    from router.policies import parse_arm
     from services.engine import EmbeddedEngine, EngineConfig, TextStreamer
     from target.models import ModelConfig
     from target.sampling import validate_draft_length
@@ -111,28 +122,53 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     check(bool(args.prompt.strip()), "the prompt is empty")
     validate_draft_length(args.k)
     _sampling_params(args, ()).validate()
-    drafter = None if args.drafter == "none" else args.drafter
-    if drafter is not None and not known_spec(drafter):
-        names = ", ".join(shipped_names() + [f"{kind}:..." for kind in drafter_kinds() if kind != "ngram"] + ["ngram", "none"])
-        raise NotFound(f"unknown drafter {drafter!r}; known: {names}")
+    from router.policies import PolicyOptions, make_policy
+    from router.session_store import SessionKey, open_store
+    from services.engine import default_pool
+
+    if args.policy is not None and args.drafter is not None:
+        raise InvalidArgument("give either --drafter or --policy, not both (a fixed drafter is --policy fixed:NAME)")
+    drafter = None if args.drafter == "none" else (args.drafter or ("ngram" if args.policy is None else None))
+    names = ", ".join(shipped_names() + [f"{kind}:..." for kind in drafter_kinds() if kind != "ngram"] + ["ngram", "none"])
+    pool = None
+    options = PolicyOptions(beta=args.beta)
+    if args.policy is not None:
+        pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
+        check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
+        policy = make_policy(args.policy, pool, options)  # validates name, beta, pool
+        pool = [d for d in dict.fromkeys(parse_arm(a)[0] for a in policy.arms)]
+    elif args.pool is not None:
+        raise InvalidArgument("--pool needs --policy (a pool is what a policy chooses among)")
+    for spec in ([drafter] if drafter is not None else []) + (pool or []):
+        if not known_spec(spec):
+            raise NotFound(f"unknown drafter {spec!r}; known: {names}")
+    SessionKey(args.tenant, args.session or "cli")  # validate ids before loading anything
+    store = open_store(args.store)  # a bad or unreachable store fails here, before the model load
 
     target = ModelConfig(args.target, args.device, args.dtype)
     target.check_device()
     target.torch_dtype()
-    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype))
-    if drafter is not None:
-        engine.drafter(drafter)  # load and check the tokenizer before generating anything
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype),
+                            store=store)
+    for spec in ([drafter] if drafter is not None else []) + (pool or []):
+        engine.drafter(spec)  # load and check the tokenizer before generating anything
     prompt_ids = engine.encode_prompt(args.prompt, raw=args.raw)
     params = _sampling_params(args, engine.stop_token_ids())
 
     streamer = None if args.json else TextStreamer(engine.tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = engine.generate(prompt_ids, params, drafter, k=args.k, on_tokens=streamer)
+    trace_line = _trace_printer() if args.trace else None
+    try:
+        result = engine.generate(prompt_ids, params, drafter, k=args.k, on_tokens=streamer, session_id=args.session,
+                                 policy=args.policy, pool=pool, tenant=args.tenant, policy_options=options, on_round=trace_line)
+    finally:
+        store.close()
     stats = {
         "new_tokens": len(result.token_ids),
         "rounds": len(result.rounds),
         "mean_accepted_length": round(result.mean_accepted_length, 4),
         "tokens_per_s": round(result.tokens_per_s, 3),
         "drafters": result.rounds_by_drafter(),
+        "policy": args.policy or f"fixed:{drafter or 'none'}",
     }
     if args.json:
         text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -145,6 +181,22 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
             f"finish: {result.finish_reason}]"
         )
     return 0
+
+
+def _trace_printer():
+    """``--trace``: one compact line per round on stderr, so stdout keeps only the answer."""
+    from router.policies import round_rewards
+
+    counter = iter(range(1, 1 << 62))
+
+    def print_round(record) -> None:
+        # BD as the policies see it: over the k positions asked for (router/policies.py).
+        bd = "-" if record.drafter is None or record.k == 0 else f"{round_rewards(record)['bd']:.2f}"
+        print(f"round {next(counter):>3}  drafter {record.drafter or 'none':<18} k {record.k}  "
+              f"proposed {record.proposed}  accepted {record.accepted}  BD {bd}  {record.round_s * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+
+    return print_round
 
 
 def cmd_models(args: argparse.Namespace, settings) -> int:

@@ -9,8 +9,11 @@ from typing import Callable
 
 from drafters.base import Drafter
 from drafters.registry import DrafterContext, create_drafter
-from router.errors import check
-from router.loop import FixedChooser, GenerationResult, speculative_generate
+from router.bandit import BanditChooser
+from router.errors import InvalidArgument, check
+from router.loop import DrafterChooser, FixedChooser, GenerationResult, RoundRecord, speculative_generate
+from router.policies import PolicyOptions, make_policy, parse_arm
+from router.session_store import InMemorySessionStore, SessionKey, SessionStore
 from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, check_same_tokenizer, load_causal_lm
 from target.sampling import SamplingParams, validate_draft_length
 from target.verifier import TargetVerifier
@@ -25,12 +28,24 @@ class EngineConfig:
     cache_capacity: int = 64  # sessions whose KV caches stay resident, per model
 
 
+DEFAULT_TENANT = "default"
+
+
+def default_pool() -> list[str]:
+    """The drafters a policy chooses among unless told otherwise: n-gram and every shipped zoo drafter."""
+    from drafters.zoo import shipped_names
+
+    return ["ngram"] + shipped_names()
+
+
 class EmbeddedEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, store: SessionStore | None = None):
         self.config = config
         self.model, self.tokenizer = load_causal_lm(config.target, config.home)
         self.verifier = TargetVerifier(self.model, self.tokenizer, config.cache_capacity)
         self._drafters: dict[str, Drafter] = {}
+        # Bandit state per (tenant, session). In memory by default: the embedded mode needs no Redis.
+        self.store = store if store is not None else InMemorySessionStore()
 
     @classmethod
     def default(cls, home: Path) -> "EmbeddedEngine":
@@ -67,24 +82,47 @@ class EmbeddedEngine:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        drafter: str | None,
+        drafter: str | None = None,
         k: int = 5,
         on_tokens: Callable[[list[int]], None] | None = None,
         session_id: str | None = None,
+        *,
+        policy: str | None = None,
+        pool: list[str] | None = None,
+        tenant: str = DEFAULT_TENANT,
+        policy_options: PolicyOptions | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        trace: bool = False,
     ) -> GenerationResult:
+        """One request. Either ``drafter`` (one fixed drafter, or None: target-only) or ``policy``
+        (a bandit over ``pool``, default every drafter we have) picks the drafter each round."""
         validate_draft_length(k)
         params.validate(self.verifier.context_window, len(prompt_ids))
-        drafters = {drafter: self.drafter(drafter)} if drafter is not None else {}
         session = session_id or uuid.uuid4().hex
+        key = SessionKey(tenant, session)  # validates both before any work
+        chooser: DrafterChooser
+        if policy is None:
+            drafters = {drafter: self.drafter(drafter)} if drafter is not None else {}
+            chooser = FixedChooser(drafter)
+        else:
+            if drafter is not None:
+                raise InvalidArgument("give either a drafter or a policy, not both (a fixed drafter is policy fixed:NAME)")
+            bandit = make_policy(policy, pool if pool is not None else default_pool(), policy_options)
+            drafters = {name: self.drafter(name) for name in dict.fromkeys(parse_arm(a)[0] for a in bandit.arms)}
+            chooser = BanditChooser(bandit, self.store, key, seed=params.seed, trace=trace)
         try:
-            return speculative_generate(
-                prompt_ids, session_id=session, drafters=drafters, chooser=FixedChooser(drafter),
-                verifier=self.verifier, params=params, k=k, on_tokens=on_tokens,
+            result = speculative_generate(
+                prompt_ids, session_id=session, drafters=drafters, chooser=chooser,
+                verifier=self.verifier, params=params, k=k, on_tokens=on_tokens, on_round=on_round,
             )
         finally:
             self.verifier.release(session)
             for d in drafters.values():
                 d.release(session)
+        if isinstance(chooser, BanditChooser):
+            result.chooser_s = chooser.overhead_s
+            result.trace = chooser.trace or []
+        return result
 
 
 class TextStreamer:

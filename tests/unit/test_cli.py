@@ -114,7 +114,8 @@ def generate_json(cli, *args):
 def test_generate_json_shape(cli, target_lm):
     payload = generate_json(cli, "--drafter", "ngram", "-k", "4")
     assert set(payload) == {"text", "token_ids", "finish_reason", "stats"}
-    assert set(payload["stats"]) == {"new_tokens", "rounds", "mean_accepted_length", "tokens_per_s", "drafters"}
+    assert set(payload["stats"]) == {"new_tokens", "rounds", "mean_accepted_length", "tokens_per_s", "drafters", "policy"}
+    assert payload["stats"]["policy"] == "fixed:ngram"
     ids = payload["token_ids"]
     assert isinstance(ids, list) and all(isinstance(t, int) and 0 <= t < 64 for t in ids)
     assert isinstance(payload["text"], str)

@@ -8,6 +8,7 @@ import pytest
 from drafters.base import Proposal
 from drafters.hf_model import HFModelDrafter
 from router.loop import (
+    Choice,
     FixedChooser,
     GenerationResult,
     RoundRecord,
@@ -162,7 +163,7 @@ class RecordingChooser:
         self.records: list[RoundRecord] = []
 
     def select(self):
-        return self.names[len(self.records) % len(self.names)]
+        return Choice(self.names[len(self.records) % len(self.names)])
 
     def update(self, record):
         self.records.append(record)
@@ -238,6 +239,6 @@ def test_generation_result_derived_values():
 
 def test_fixed_chooser():
     chooser = FixedChooser("x")
-    assert [chooser.select() for _ in range(3)] == ["x"] * 3
+    assert [chooser.select() for _ in range(3)] == [Choice("x")] * 3
     chooser.update(record("x", 2))
-    assert FixedChooser(None).select() is None
+    assert FixedChooser(None).select() == Choice(None, None)

@@ -1,0 +1,222 @@
+"""``specpool bench --policies``: drafter-selection policies on a shuffled, mixed prompt stream.
+
+For every prompt (in a seeded shuffle of the categories, so domains interleave as they would in
+serving), every system runs back to back in one process, the order rotating from prompt to prompt:
+
+    target            target-only decoding
+    fixed:<drafter>   each drafter of the pool alone
+    <policy>          each policy over the whole pool (state in the session store, --store)
+    oracle            the fixed drafter that was fastest on this prompt, run again in its own slot
+
+Each policy keeps its own tenant across the stream, so ``+warm`` policies start a prompt's session
+from what earlier prompts taught that tenant. Writes results.json (rows with ``system`` = policy),
+per_prompt.jsonl, report.md, arm_choices.png and regret.png. Aggregation: bench/policy_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from bench import policy_report, report
+from router.errors import NotFound, check
+
+ORACLE = policy_report.ORACLE
+FIXED = policy_report.FIXED_PREFIX
+
+
+def parse_policies(text: str, pool: list[str]) -> list[str]:
+    """Policy names, validated (unknown name, oracle-only, bad options fail here, before any model)."""
+    from router.policies import make_policy
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    check(bool(names), "--policies is empty; give policy names such as metasd-ucb,ucb-be,oracle")
+    check(len(set(names)) == len(names), f"--policies names a policy twice: {text}")
+    for name in names:
+        if name != ORACLE:
+            make_policy(name, pool)
+    return names
+
+
+def command_line(args: argparse.Namespace) -> str:
+    return shlex.join([
+        "specpool", "bench", "--policies", args.policies, "--pool", ",".join(args.pool_list), "--prompts", str(args.prompts),
+        "--limit-per-category", str(args.limit_per_category), "--max-new-tokens", str(args.max_new_tokens),
+        "-k", str(args.k), "--beta", str(args.beta), "--store", args.store, "--seed", str(args.seed),
+        "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
+    ])
+
+
+def _open_store(spec: str):
+    """The bench's own namespace in Redis, so a run starts from empty tenant statistics."""
+    from router.session_store import RedisSessionStore, open_store
+
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisSessionStore(spec, namespace=f"specpool-bench-{uuid.uuid4().hex[:8]}")
+    return open_store(spec)
+
+
+def run_policy_bench(args: argparse.Namespace, settings) -> int:
+    from tqdm import tqdm
+
+    from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, load_questions, machine_info, parse_drafters
+    from router.policies import PolicyOptions
+    from services.engine import EmbeddedEngine, EngineConfig, default_pool
+    from target.models import ModelConfig
+    from target.sampling import SamplingParams, validate_draft_length
+
+    check(args.max_new_tokens >= 2, f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
+    validate_draft_length(args.k)
+    options = PolicyOptions(beta=args.beta)
+    options.validate()
+    pool = parse_drafters(args.pool) if args.pool else default_pool()
+    args.pool_list = pool
+    policies = parse_policies(args.policies, pool)
+    prompts_path = Path(args.prompts).expanduser().resolve()
+    questions = load_questions(prompts_path, args.limit_per_category)
+    random.Random(args.seed).shuffle(questions)  # a mixed stream: domains interleave
+    out = Path(args.out).expanduser()
+    check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
+    store = _open_store(args.store)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"specpool bench: loading {args.target} and pool {', '.join(pool)} ...", file=sys.stderr)
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
+                                         drafter_device=args.device, drafter_dtype=args.dtype), store=store)
+    for name in pool:
+        engine.drafter(name)
+    stop_ids = engine.stop_token_ids()
+    prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]
+    run_tag = uuid.uuid4().hex[:8]
+
+    def run(system: str, ids: list[int], n: int, index: int):
+        params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids, seed=args.seed)
+        drafter, policy = None, None
+        if system.startswith(FIXED):
+            drafter = system.removeprefix(FIXED)
+        elif system != report.TARGET:
+            policy = system
+        tenant = "bench-" + "".join(c if c.isalnum() else "-" for c in system)[:56]
+        started = time.perf_counter()
+        result = engine.generate(ids, params, drafter, k=args.k, session_id=f"{run_tag}-{index}", policy=policy,
+                                 pool=pool, tenant=tenant, policy_options=options, trace=policy is not None)
+        return result, time.perf_counter() - started
+
+    systems = [report.TARGET] + [FIXED + d for d in pool] + [p for p in policies if p != ORACLE]
+    warmup = engine.encode_prompt(WARMUP_PROMPT)
+    for system in systems:
+        run(system, warmup, WARMUP_TOKENS, -1)
+
+    records: list[dict] = []
+    interrupted = False
+    with (out / "per_prompt.jsonl").open("w") as raw:
+        bar = tqdm(list(enumerate(questions)), desc="bench policies", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        try:
+            for i, question in bar:
+                shift = i % len(systems)
+                runs = {s: run(s, prompt_ids[i], args.max_new_tokens, i) for s in systems[shift:] + systems[:shift]}
+                if ORACLE in policies:
+                    fixed = [s for s in systems if s.startswith(FIXED)]
+                    pick = max(fixed, key=lambda s: len(runs[s][0].token_ids) / runs[s][1])
+                    runs[ORACLE] = run(pick, prompt_ids[i], args.max_new_tokens, i)
+                target_ids = runs[report.TARGET][0].token_ids
+                for system, (result, wall) in runs.items():
+                    kind = ("target" if system == report.TARGET else "fixed" if system.startswith(FIXED)
+                            else "oracle" if system == ORACLE else "policy")
+                    rec = {
+                        "prompt_index": i, "question_id": question.question_id, "category": question.category,
+                        "system": system, "kind": kind, "ours": True, "prompt_tokens": len(prompt_ids[i]),
+                        "new_tokens": len(result.token_ids), "wall_s": wall, "rounds": len(result.rounds),
+                        "round_s": sum(r.round_s for r in result.rounds), "chooser_s": result.chooser_s,
+                        "matches_target": None if system == report.TARGET else result.token_ids == target_ids,
+                        "emitted": [r.emitted for r in result.rounds],
+                        "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
+                        "leaders": [t.leader for t in result.trace] if result.trace else None,
+                        "oracle_drafter": pick.removeprefix(FIXED) if system == ORACLE else None,
+                    }
+                    records.append(rec)
+                    raw.write(json.dumps(rec) + "\n")
+                raw.flush()
+                target_s = runs[report.TARGET][1] / max(len(target_ids), 1)
+                bar.set_postfix_str(" ".join(f"{s}={target_s * len(runs[s][0].token_ids) / runs[s][1]:.2f}x"
+                                             for s in policies[:3] if s in runs))
+        except KeyboardInterrupt:
+            interrupted = True
+        bar.close()
+    store.close()
+    if not records:
+        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
+        return 130
+
+    rows, summary = policy_report.aggregate(records)
+    budgets = list(range(8, args.max_new_tokens + 1, 8))
+    curves = policy_report.regret_curves(records, budgets)
+    n_done = len({r["prompt_index"] for r in records})
+    machine = machine_info(args.device)
+    config = {
+        "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
+        "pool": pool, "policies": policies, "systems": systems + ([ORACLE] if ORACLE in policies else []),
+        "k": args.k, "beta": args.beta, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "store": store.describe, "prompts_file": str(prompts_path), "n_prompts": n_done, "seed": args.seed,
+        "limit_per_category": args.limit_per_category, "order": "seeded shuffle of the prompts; systems back to back per prompt, order rotated",
+        "command": command_line(args), "interrupted": interrupted,
+    }
+    (out / "results.json").write_text(json.dumps({
+        "machine": machine, "config": config, "summary": summary, "rows": rows,
+        "regret": {"budgets": budgets, "curves": curves},
+    }, indent=2) + "\n")
+    plots = []
+    for system in [p for p in policies if p != ORACLE][:4]:
+        name = f"arm_choices_{''.join(c if c.isalnum() else '_' for c in system)}.png"
+        policy_report.plot_arm_choices(records, system, out / name)
+        plots.append(name)
+    policy_report.plot_regret(curves, budgets, out / "regret.png",
+                              f"{args.target}, k={args.k}, greedy, {n_done} mixed prompts: regret vs each prompt's best fixed drafter")
+    (out / "report.md").write_text(render(machine, config, rows, summary, curves, budgets, plots))
+    print(policy_report.markdown_table(rows, report.ALL))
+    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, regret.png, " + ", ".join(plots))
+    bad = {r["system"]: r["lossless_mismatches"] for r in rows if r["category"] == report.ALL and r["lossless_mismatches"]}
+    if bad:
+        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {bad}", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves: dict, budgets: list[int], plots: list[str]) -> str:
+    lines = [
+        "# specpool bench --policies", "",
+        f"- **machine**: {machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} torch threads); "
+        f"torch {machine['torch']}, transformers {machine['transformers']}",
+        f"- **target**: `{config['target']}` on {config['device']} ({config['dtype']})",
+        f"- **pool**: " + ", ".join(f"`{d}`" for d in config["pool"]),
+        f"- **decoding**: greedy, k = {config['k']}, β = {config['beta']}, max {config['max_new_tokens']} new tokens",
+        f"- **prompts**: {config['n_prompts']} from `{config['prompts_file']}`, first {config['limit_per_category']} per category, "
+        f"seeded shuffle (seed {config['seed']})" + (" — INTERRUPTED" if config["interrupted"] else ""),
+        f"- **session store**: {config['store']}",
+        f"- **command**: `{config['command']}`", "",
+        f"Best fixed drafter over the mixed set: `{summary['best_fixed']}`.", "",
+        "## Headline", "",
+        "| policy | ratio to oracle, mean over categories | ratio to best fixed (pooled, all) | rounds to identify (identified) | chooser time / round time |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for system, s in summary["policies"].items():
+        if system == "target" or system.startswith(FIXED):
+            continue
+        ident = "–" if s["rounds_to_identify"] is None else f"{s['rounds_to_identify']:.0f} ({100 * s['identified_share']:.0f}%)"
+        lines.append(f"| `{system}` | {policy_report._f(s['ratio_to_oracle_category_mean'], 3)} | "
+                     f"{policy_report._f(s['pooled_ratio_to_best_fixed'], 3)} | {ident} | {policy_report._f(s['chooser_fraction'], 3, True)} |")
+    lines += ["", "## All prompts", "", policy_report.markdown_table(rows, report.ALL), "",
+              "## Per category", "", policy_report.markdown_table([r for r in rows if r["category"] != report.ALL]), "",
+              "Medians over prompts with [p25, p75]; *ratio to oracle / best fixed* are per-prompt tokens/s ratios; "
+              "the headline's category mean uses pooled tokens/s (all tokens / all seconds) per category.", "",
+              "## Stopping-time regret (rounds, mean over prompts) vs tokens generated", "",
+              "| system | " + " | ".join(str(b) for b in budgets[::2]) + " |", "|---" * (len(budgets[::2]) + 1) + "|"]
+    for system, curve in curves.items():
+        lines.append(f"| `{system}` | " + " | ".join(policy_report._f(v, 1) for v in curve[::2]) + " |")
+    lines += ["", "![regret](regret.png)", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)

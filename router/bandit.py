@@ -1,0 +1,76 @@
+"""The bandit chooser: a policy (router/policies.py) over a session store (router/session_store.py).
+
+One object per request. ``select`` reads the session's state in one atomic snapshot and lets the
+policy pick; ``update`` applies the policy's pure update atomically in the store, together with the
+tenant's aggregate statistics. State lives only in the store, so a session continues on another
+router (or after a restart) exactly where it left off.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from router.loop import Choice, RoundRecord
+from router.policies import ArmStats, Policy, parse_arm
+from router.session_store import SessionKey, SessionStore
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One round as the policy saw it: what it played and which arm it then believed best."""
+
+    round: int  # the session's round counter t before this round
+    arm: str
+    leader: str | None  # argmax of the policy's estimates after the update
+
+
+class BanditChooser:
+    """A ``DrafterChooser`` that asks a policy, with its state in a session store."""
+
+    def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False):
+        self.policy = policy
+        self.store = store
+        self.key = key
+        self.seed = seed
+        self.trace: list[TraceEntry] | None = [] if trace else None
+        self.overhead_s = 0.0  # wall time inside select/update: policy math + store round trips
+        self._pending: str | None = None
+        self._prior: ArmStats | None = None
+        self._round = 0
+
+    def _state(self, state: dict | None) -> dict:
+        return state if state is not None else self.policy.init_state(self._prior)
+
+    def select(self) -> Choice:
+        started = time.perf_counter()
+        state, tenant_stats = self.store.read(self.key)
+        if state is None:
+            self._prior = tenant_stats if self.policy.warm is not None else None
+        state = self._state(state)
+        self._round = int(state["t"])
+        # A generator per (seed, session, round): the same seed repeats the same choices, and the
+        # policy's draws never share a stream with acceptance sampling (target/sampling.py).
+        rng = random.Random(f"policy:{self.seed}:{self.key.session}:{self._round}")
+        self._pending = self.policy.select(state, rng)
+        drafter, k = parse_arm(self._pending)
+        self.overhead_s += time.perf_counter() - started
+        return Choice(drafter, k)
+
+    def update(self, record: RoundRecord) -> None:
+        # A round with nothing to draft (k capped to 0 on the last token) says nothing about arms.
+        if self._pending is None or record.drafter is None or record.k == 0:
+            self._pending = None
+            return
+        started = time.perf_counter()
+        arm = self._pending
+
+        def apply(state: dict | None) -> tuple[dict, ArmStats]:
+            return self.policy.update(self._state(state), arm, record)
+
+        new_state = self.store.transact(self.key, apply)
+        if self.trace is not None:
+            self.trace.append(TraceEntry(self._round, arm, self.policy.leader(new_state)))
+        self._pending = None
+        self.overhead_s += time.perf_counter() - started

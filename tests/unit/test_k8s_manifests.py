@@ -1,0 +1,381 @@
+"""The Kubernetes manifests in k8s/: KubeRay resources valid against the CRD schemas, the Serve
+config valid the way Serve reads it, and the pieces wired to each other (selectors, ports, Redis,
+drafters, import paths)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+K8S = REPO_ROOT / "k8s"
+# The KubeRay CRDs live next to the checkout: /work/shared/schemas/kuberay for /work/main.
+SCHEMAS = Path(__file__).resolve().parents[3] / "shared" / "schemas" / "kuberay"
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+# Labels KubeRay itself puts on Ray pods; a Service may select on them besides the template's.
+KUBERAY_POD_LABELS = {"ray.io/serve": "true", "ray.io/node-type": None}  # None: any value
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+# -- loading ----------------------------------------------------------------------------------------
+def manifest_files() -> list[Path]:
+    return sorted([*K8S.glob("*.yaml"), *K8S.glob("*.yml")])
+
+
+@functools.cache
+def _documents() -> tuple[tuple[str, dict], ...]:
+    docs = []
+    for path in manifest_files():
+        for doc in yaml.load_all(path.read_text(), Loader=_Loader):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return tuple(docs)
+
+
+def documents(kind: str | None = None) -> list[dict]:
+    return [copy.deepcopy(doc) for _, doc in _documents() if kind is None or doc.get("kind") == kind]
+
+
+def ray_service() -> dict:
+    (service,) = documents("RayService")
+    return service
+
+
+def serve_config(service: dict | None = None) -> dict:
+    return yaml.safe_load((service or ray_service())["spec"]["serveConfigV2"])
+
+
+def applications() -> dict[str, dict]:
+    return {app["name"]: app for app in serve_config()["applications"]}
+
+
+def import_paths() -> list[str]:
+    """Every Serve ``import_path`` in k8s/ (the application builders), sorted and distinct."""
+    paths = set()
+    for service in documents("RayService"):
+        paths.update(app["import_path"] for app in serve_config(service)["applications"])
+    return sorted(paths)
+
+
+def _resolve(path: str):
+    """Import ``module:attr`` (Serve's import_path) or ``module.attr`` (a servicer function)."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+# -- CRD schemas ------------------------------------------------------------------------------------
+def _closed(schema):
+    """The schema with unknown fields rejected where the CRD lists the allowed ones.
+
+    The API server silently prunes unknown fields of a structural schema, so a misspelt field
+    would be dropped without a word; validation here treats it as the error it is.
+    """
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) if key in ("items", "additionalProperties", "anyOf", "allOf", "oneOf", "not") else value
+           for key, value in schema.items()}
+    if "properties" in out:
+        out["properties"] = {name: _closed(sub) for name, sub in schema["properties"].items()}
+        if "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def crd_validator(kind: str, version: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    if not SCHEMAS.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {SCHEMAS} (expected ../shared/schemas/kuberay next to the checkout)")
+    crd = yaml.load((SCHEMAS / CRD_FILES[kind]).read_text(), Loader=_Loader)
+    assert crd["spec"]["names"]["kind"] == kind
+    versions = {v["name"]: v for v in crd["spec"]["versions"]}
+    assert version in versions, f"{kind} CRD has no version {version}; it has {sorted(versions)}"
+    schema = _closed(versions[version]["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft7Validator(schema)
+
+
+def crd_errors(doc: dict) -> list[str]:
+    group, _, version = doc["apiVersion"].partition("/")
+    assert group == "ray.io", doc["apiVersion"]
+    validator = crd_validator(doc["kind"], version)
+    return [
+        f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
+        for error in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def _crd_docs() -> list[pytest.param]:
+    return [pytest.param(doc, id=f"{name}:{doc['kind']}/{doc['metadata']['name']}")
+            for name, doc in _documents() if doc.get("kind") in CRD_FILES]
+
+
+def test_every_manifest_is_a_kubernetes_object():
+    assert manifest_files(), f"no manifests in {K8S}"
+    seen = set()
+    for name, doc in _documents():
+        assert isinstance(doc, dict), f"{name}: a document is not a mapping"
+        for key in ("apiVersion", "kind", "metadata"):
+            assert key in doc, f"{name}: {doc.get('kind', '?')} lacks {key}"
+        ident = (doc["kind"], doc["metadata"].get("name"))
+        assert ident[1], f"{name}: {doc['kind']} has no metadata.name"
+        assert ident not in seen, f"{name}: duplicate {ident}"
+        seen.add(ident)
+    kinds = [kind for kind, _ in seen]
+    assert kinds.count("RayService") == 1 and "Deployment" in kinds and kinds.count("Service") >= 2, kinds
+
+
+@pytest.mark.parametrize("doc", _crd_docs())
+def test_kuberay_resources_match_the_crd_schema(doc):
+    assert crd_errors(doc) == []
+
+
+def test_schema_validation_rejects_a_wrong_field_type():
+    doc = ray_service()
+    assert crd_errors(doc) == []
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["minReplicas"] = "zero"
+    errors = crd_errors(doc)
+    assert any("minReplicas" in e and "'zero' is not of type 'integer'" in e for e in errors), errors
+
+
+def test_schema_validation_rejects_misspelt_and_missing_fields():
+    doc = ray_service()
+    group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["maxReplica"] = group.pop("maxReplicas")  # misspelt: the API server would drop it
+    errors = crd_errors(doc)
+    assert any("'maxReplica' was unexpected" in e for e in errors), errors
+    assert any("'maxReplicas' is a required property" in e for e in errors), errors
+
+
+# -- Serve config -----------------------------------------------------------------------------------
+def test_serve_config_applications_are_well_formed():
+    apps = serve_config()["applications"]
+    names = [app.get("name") for app in apps]
+    assert all(names) and len(set(names)) == len(names), names
+    routes = []
+    for app in apps:
+        assert "route_prefix" in app, f"{app['name']}: say route_prefix (a path, or null for no HTTP route)"
+        route = app["route_prefix"]
+        if route is not None:
+            assert isinstance(route, str) and route.startswith("/"), f"{app['name']}: route_prefix {route!r}"
+            assert route == "/" or not route.endswith("/"), f"{app['name']}: route_prefix {route!r} ends with /"
+            assert "{" not in route and "}" not in route
+            routes.append(route)
+        assert IMPORT_PATH.match(app.get("import_path", "")), f"{app['name']}: import_path {app.get('import_path')!r}"
+        assert isinstance(app.get("args", {}), dict)
+    assert len(set(routes)) == len(routes), routes
+
+
+def test_serve_config_passes_serves_own_schema():
+    schema = pytest.importorskip("ray.serve.schema", reason="ray[serve] not installed")
+    schema.ServeDeploySchema.model_validate(serve_config())
+
+
+def test_only_the_router_is_exposed():
+    """One exposed application: Serve's gRPC proxy then routes without `application` metadata."""
+    exposed = [name for name, app in applications().items() if app["route_prefix"] is not None]
+    assert exposed == ["router"]
+    assert applications()["router"]["import_path"] == "services.serve_app:build_router_app"
+
+
+def test_grpc_options_point_at_the_specpool_servicer():
+    options = serve_config()["grpc_options"]
+    assert options["port"] == 9000
+    functions = options["grpc_servicer_functions"]
+    assert "services.gen.specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server" in functions
+    for function in functions:
+        assert callable(_resolve(function)), function
+
+
+def test_router_args_and_the_pool():
+    apps = applications()
+    args = apps["router"]["args"]
+    for key in ("redis_url", "policy", "k"):
+        assert key in args, f"router args lack {key}"
+    assert isinstance(args["k"], int) and 1 <= args["k"] <= 32
+    target = apps[args["target_app"]]
+    assert target["import_path"] == "services.serve_app:build_target_app"
+    drafter_apps = {name: app for name, app in apps.items() if app["import_path"] == "services.serve_app:build_drafter_app"}
+    assert drafter_apps, "no drafter applications"
+    # The router's pool and the drafter applications agree, both ways.
+    assert set(args["drafter_apps"].values()) == set(drafter_apps)
+    for drafter, app_name in args["drafter_apps"].items():
+        assert drafter_apps[app_name]["args"]["name"] == drafter
+    for app in [target, *drafter_apps.values(), apps["router"]]:
+        assert isinstance(app["args"]["num_replicas"], int) and app["args"]["num_replicas"] >= 1, app["name"]
+        options = app["args"]["ray_actor_options"]
+        assert {"num_cpus", "num_gpus"} <= set(options), app["name"]
+        assert options["num_cpus"] >= 0 and options["num_gpus"] >= 0, app["name"]
+
+
+def test_replicas_fit_the_cpu_workers():
+    service = ray_service()
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    cpu = groups["cpu-workers"]
+    (container,) = cpu["template"]["spec"]["containers"]
+    per_node = float(container["resources"]["limits"]["cpu"])
+    wanted = sum(app["args"]["num_replicas"] * app["args"]["ray_actor_options"]["num_cpus"]
+                 for app in applications().values()
+                 if app["args"]["ray_actor_options"]["num_gpus"] == 0)
+    assert wanted <= per_node * cpu["maxReplicas"], f"{wanted} CPUs wanted, cpu-workers give at most {per_node * cpu['maxReplicas']}"
+
+
+# -- Ray cluster shape ------------------------------------------------------------------------------
+def test_head_and_worker_groups():
+    cluster = ray_service()["spec"]["rayClusterConfig"]
+    assert "template" in cluster["headGroupSpec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"cpu-workers", "gpu-workers"}
+    for name, group in groups.items():
+        assert group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"], name
+    gpu = groups["gpu-workers"]
+    assert gpu["minReplicas"] == 0
+    (container,) = gpu["template"]["spec"]["containers"]
+    for part in ("requests", "limits"):
+        assert int(container["resources"][part]["nvidia.com/gpu"]) == 1, part
+    tolerations = gpu["template"]["spec"].get("tolerations", [])
+    assert any(t.get("key") == "nvidia.com/gpu" for t in tolerations), tolerations
+    assert cluster.get("enableInTreeAutoscaling") is True, "a group at 0 nodes only grows with the autoscaler"
+    cpu_container = groups["cpu-workers"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in cpu_container["resources"].get("limits", {})
+
+
+def _ray_containers(service: dict) -> list[dict]:
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    return [c for t in templates for c in t["spec"]["containers"]]
+
+
+def test_one_image_everywhere():
+    images = {c["image"] for c in _ray_containers(ray_service())}
+    assert len(images) == 1, images
+    assert re.match(r"^[\w.-]+(/[\w.-]+)+:[\w.-]+$", images.pop()), "an image with an explicit tag"
+
+
+def test_redis_url_names_the_redis_service():
+    url = applications()["router"]["args"]["redis_url"]
+    match = re.match(r"^redis://([\w.-]+):(\d+)(/\d+)?$", url)
+    assert match, url
+    host, port = match.group(1), int(match.group(2))
+    services = {s["metadata"]["name"]: s for s in documents("Service")}
+    assert host.split(".")[0] in services, f"{host} is not a Service in k8s/"
+    assert port in [p["port"] for p in services[host.split(".")[0]]["spec"]["ports"]]
+    for container in _ray_containers(ray_service()):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("REDIS_URL") == url, f"{container['name']}: REDIS_URL {env.get('REDIS_URL')!r} != {url!r}"
+
+
+# -- core manifests: selectors and ports ------------------------------------------------------------
+def pod_templates() -> list[tuple[str, dict]]:
+    """(owner, pod template) for every workload in k8s/."""
+    out = []
+    for doc in documents("Deployment"):
+        out.append((f"Deployment/{doc['metadata']['name']}", doc["spec"]["template"]))
+    for doc in documents("RayService"):
+        cluster = doc["spec"]["rayClusterConfig"]
+        out.append((f"RayService/{doc['metadata']['name']}:head", cluster["headGroupSpec"]["template"]))
+        for group in cluster["workerGroupSpecs"]:
+            out.append((f"RayService/{doc['metadata']['name']}:{group['groupName']}", group["template"]))
+    return out
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a Service selector picks pods with the template's ``labels`` (plus KubeRay's own)."""
+    for key, value in selector.items():
+        if key in labels:
+            if labels[key] != value:
+                return False
+        elif key in KUBERAY_POD_LABELS:
+            if KUBERAY_POD_LABELS[key] not in (None, value):
+                return False
+        else:
+            return False
+    return any(key in labels for key in selector)  # at least one label of ours, not KubeRay's alone
+
+
+def test_deployments_are_complete_and_select_their_pods():
+    for doc in documents("Deployment"):
+        name = doc["metadata"]["name"]
+        assert doc["apiVersion"] == "apps/v1", name
+        match_labels = doc["spec"]["selector"]["matchLabels"]
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert match_labels and all(labels.get(k) == v for k, v in match_labels.items()), name
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            assert container.get("name") and container.get("image"), name
+            assert container.get("readinessProbe"), f"{name}/{container['name']} has no readiness probe"
+            limits = container.get("resources", {}).get("limits", {})
+            assert {"cpu", "memory"} <= set(limits), f"{name}/{container['name']} has no resource limits"
+
+
+def _container_port(template: dict, target_port) -> int | None:
+    for container in template["spec"]["containers"]:
+        for port in container.get("ports", []):
+            if target_port in (port.get("name"), port["containerPort"]):
+                return port["containerPort"]
+    return None
+
+
+def test_services_select_pods_and_their_ports_exist():
+    for doc in documents("Service"):
+        name = doc["metadata"]["name"]
+        assert doc["apiVersion"] == "v1", name
+        selector = doc["spec"].get("selector")
+        assert selector, f"Service {name} has no selector"
+        matched = [(owner, t) for owner, t in pod_templates() if selects(selector, t["metadata"].get("labels", {}))]
+        assert matched, f"Service {name} selects no pods in k8s/: {selector}"
+        assert doc["spec"]["ports"], name
+        for port in doc["spec"]["ports"]:
+            assert isinstance(port["port"], int), name
+            target = port.get("targetPort", port["port"])
+            for owner, template in matched:
+                assert _container_port(template, target) is not None, f"Service {name}: {owner} has no port {target!r}"
+
+
+def test_selector_matching_can_fail():
+    labels = {"app.kubernetes.io/name": "specpool", "app.kubernetes.io/component": "ray-head"}
+    assert selects({"app.kubernetes.io/component": "ray-head", "ray.io/serve": "true"}, labels)
+    assert not selects({"app.kubernetes.io/component": "ray-haed"}, labels)
+    assert not selects({"ray.io/serve": "true"}, labels)  # KubeRay labels alone: any RayService
+    assert not selects({"app.kubernetes.io/name": "specpool", "other": "x"}, labels)
+
+
+def test_grpc_service_targets_the_serve_grpc_port():
+    services = [s for s in documents("Service") if any(p.get("name") == "grpc" for p in s["spec"]["ports"])]
+    assert [s["metadata"]["name"] for s in services] == ["specpool-grpc"]
+    (service,) = services
+    head = ray_service()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert selects(service["spec"]["selector"], head["metadata"]["labels"]), "specpool-grpc does not select the Ray head"
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert _container_port(head, port["targetPort"]) == serve_config()["grpc_options"]["port"]
+    # ... and no worker pod (whose proxy we did not publish) is selected.
+    for owner, template in pod_templates():
+        if owner.endswith(":head"):
+            continue
+        assert not selects(service["spec"]["selector"], template["metadata"].get("labels", {})), owner
+
+
+# -- the application builders exist -----------------------------------------------------------------
+def test_import_paths_are_collected():
+    assert import_paths() == [
+        "services.serve_app:build_drafter_app",
+        "services.serve_app:build_router_app",
+        "services.serve_app:build_target_app",
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("services.serve_app") is None, reason="services/serve_app.py not written yet")
+@pytest.mark.parametrize("path", import_paths())
+def test_import_paths_resolve(path: str):
+    assert callable(_resolve(path)), f"{path} is not callable"
