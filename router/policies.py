@@ -168,8 +168,11 @@ class UCB(Policy):
             if state["arms"][arm]["n"] <= 0:
                 return arm
         means = _means(state, self.reward)
-        log_t = math.log(max(state["t"], 1.0))
+        log_t = math.log(max(self._rounds(state), 1.0))
         return _argmax({a: means[a] + self.beta * math.sqrt(2.0 * log_t / state["arms"][a]["n"]) for a in self.arms})
+
+    def _rounds(self, state: dict) -> float:
+        return state["t"]
 
 
 @dataclass(frozen=True)
@@ -179,14 +182,8 @@ class DiscountedUCB(UCB):
 
     gamma: float = 0.95
 
-    def select(self, state: dict, rng: random.Random) -> str:
-        for arm in self.arms:
-            if state["arms"][arm]["n"] <= 0:
-                return arm
-        means = _means(state, self.reward)
-        total = sum(st["n"] for st in state["arms"].values())
-        log_t = math.log(max(total, 1.0 + 1e-9))
-        return _argmax({a: means[a] + self.beta * math.sqrt(2.0 * log_t / state["arms"][a]["n"]) for a in self.arms})
+    def _rounds(self, state: dict) -> float:
+        return sum(st["n"] for st in state["arms"].values())  # the discounted round count
 
     def update(self, state: dict, arm: str, record: RoundRecord) -> tuple[dict, ArmStats]:
         rewards = round_rewards(record)
