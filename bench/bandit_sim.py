@@ -119,6 +119,32 @@ def identification_race(config: SimConfig, rounds: int = 400) -> dict[str, dict[
     return out
 
 
+def drift_race(policies: list[str], config: SimConfig, rounds: int = 2000, runs: int = 30) -> dict[str, float]:
+    """A domain change inside one long session: the arms' α are reversed half way. Returns, per
+    policy, tokens per round in the second half as a share of the new best arm's τ."""
+    arms = tuple(f"arm{i}" for i in range(len(config.alphas)))
+    before = dict(zip(arms, config.alphas))
+    after = dict(zip(arms, reversed(config.alphas)))
+    tau_after = expected_tokens_per_round(max(config.alphas), config.k)
+    out = {}
+    for name in policies:
+        shares = []
+        for run in range(runs):
+            policy = make_policy(name, arms, PolicyOptions(beta=config.beta))
+            rng = random.Random(f"drift:{config.seed}:{name}:{run}")
+            state, tokens = policy.init_state(), 0
+            for t in range(rounds):
+                alpha = before if t < rounds // 2 else after
+                arm = policy.select(state, rng)
+                record = simulate_round(alpha[arm], config.k, rng, arm)
+                state, _ = policy.update(state, arm, record)
+                if t >= rounds // 2:
+                    tokens += record.emitted
+            shares.append(tokens / (rounds - rounds // 2) / tau_after)
+        out[name] = float(np.mean(shares))
+    return out
+
+
 def fit_log(budgets: list[int], regret: list[float]) -> dict:
     """Least squares regret = a + b ln B, with R²."""
     x, y = np.log(np.asarray(budgets, dtype=float)), np.asarray(regret, dtype=float)
@@ -152,7 +178,8 @@ def simulate(policies: list[str], config: SimConfig, progress: bool = True) -> d
                            "rounds_to_identify": {"median": float(median), "p25": float(p25), "p75": float(p75)}}
     bar.close()
     race = identification_race(config)
-    return {"identification_race": race, "config": {"alphas": list(config.alphas), "k": config.k, "runs": config.runs, "seed": config.seed,
+    drift = drift_race(policies, config)
+    return {"identification_race": race, "drift": drift, "config": {"alphas": list(config.alphas), "k": config.k, "runs": config.runs, "seed": config.seed,
                        "beta": config.beta, "tau_best": tau_best,
                        "tau": [expected_tokens_per_round(a, config.k) for a in config.alphas]},
             "rows": rows, "policies": summaries}
@@ -206,7 +233,10 @@ def markdown(result: dict, command: str) -> str:
     lines += ["", "Regret in rounds (mean ± standard error over runs). ![regret](regret.png)", "",
               "Identification race: arms played round-robin, every round scored by both rewards; rounds until each "
               "reward's empirical best is the true best for good, median [p25, p75] (mean) over runs: "
-              + "; ".join(f"{r.upper()} {v['median']:.0f} [{v['p25']:.0f}, {v['p75']:.0f}] ({v['mean']:.1f})" for r, v in race.items()) + ".", ""]
+              + "; ".join(f"{r.upper()} {v['median']:.0f} [{v['p25']:.0f}, {v['p75']:.0f}] ({v['mean']:.1f})" for r, v in race.items()) + ".", "",
+              "Drift: one session of 2,000 rounds whose arms' α are reversed half way (a domain change); tokens per round "
+              "in the second half as a share of the new best arm's τ: "
+              + ", ".join(f"`{p}` {v:.3f}" for p, v in result["drift"].items()) + ".", ""]
     return "\n".join(lines)
 
 

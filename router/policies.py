@@ -180,7 +180,7 @@ class DiscountedUCB(UCB):
     """Discounted UCB (Garivier & Moulines 2011): counts and sums decay by γ each round, so old
     evidence fades and a domain change inside one long session is tracked (window ≈ 1/(1-γ))."""
 
-    gamma: float = 0.95
+    gamma: float = 0.99
 
     def _rounds(self, state: dict) -> float:
         return sum(st["n"] for st in state["arms"].values())  # the discounted round count
@@ -312,7 +312,7 @@ class PolicyOptions:
     """Knobs shared by the policies (CLI flags / request fields)."""
 
     beta: float = 0.2  # UCB exploration weight β; tuned on bench/bandit_sim.py (BD has variance ≤ α(1−α)/k)
-    gamma_discount: float = 0.95  # ucb-discounted: per-round discount γ
+    gamma_discount: float = 0.99  # ucb-discounted: per-round discount γ (evidence window ≈ 100 rounds)
     gamma_exp3: float = 0.1  # exp3: exploration mix γ
     k_choices: tuple[int, ...] = DEFAULT_K_CHOICES  # ucb-cost-k: draft lengths paired with each drafter
     warm: WarmStart = field(default_factory=WarmStart)

@@ -137,11 +137,11 @@ def test_discounted_ucb_follows_a_domain_change_that_plain_ucb_misses():
     for name in ("metasd-ucb", "ucb-discounted"):
         policy = make_policy(name, ["a", "b"])
         state, plays = policy.init_state(), []
-        for t in range(400):
+        for t in range(500):
             arm = policy.select(state, rng)
             plays.append(arm)
             state, _ = policy.update(state, arm, rec(arm, bd=reward(arm, t)))
-        late_b[name] = plays[350:].count("b") / 50
+        late_b[name] = plays[450:].count("b") / 50  # γ = 0.99: a's discounted mean falls below b's ~70 rounds after
     assert late_b["ucb-discounted"] > 0.8
     assert late_b["metasd-ucb"] < 0.5
 
