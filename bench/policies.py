@@ -136,6 +136,8 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                         "round_s": sum(r.round_s for r in result.rounds), "chooser_s": result.chooser_s,
                         "matches_target": None if system == report.TARGET else result.token_ids == target_ids,
                         "emitted": [r.emitted for r in result.rounds],
+                        "proposed": [r.proposed for r in result.rounds],  # verify width - 1: with arms, a cost model can replay a run
+                        "drafted_k": [r.k for r in result.rounds],
                         "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
                         "leaders": [t.leader for t in result.trace] if result.trace else None,
                         "oracle_drafter": pick.removeprefix(FIXED) if system == ORACLE else None,
@@ -154,9 +156,6 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
         print("specpool: interrupted before the first prompt finished", file=sys.stderr)
         return 130
 
-    rows, summary = policy_report.aggregate(records)
-    budgets = list(range(8, args.max_new_tokens + 1, 8))
-    curves = policy_report.regret_curves(records, budgets)
     n_done = len({r["prompt_index"] for r in records})
     machine = machine_info(args.device)
     config = {
@@ -167,24 +166,41 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
         "limit_per_category": args.limit_per_category, "order": "seeded shuffle of the prompts; systems back to back per prompt, order rotated",
         "command": command_line(args), "interrupted": interrupted,
     }
+    rows, _ = write_report(out, records, machine, config)
+    print(policy_report.markdown_table(rows, report.ALL))
+    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, regret.png and arm-choice plots")
+    bad = {r["system"]: r["lossless_mismatches"] for r in rows if r["category"] == report.ALL and r["lossless_mismatches"]}
+    if bad:
+        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {bad}", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def write_report(out: Path, records: list[dict], machine: dict, config: dict) -> tuple[list[dict], dict]:
+    """Aggregate, plot and write results.json + report.md from the raw records."""
+    rows, summary = policy_report.aggregate(records)
+    budgets = list(range(8, config["max_new_tokens"] + 1, 8))
+    curves = policy_report.regret_curves(records, budgets)
     (out / "results.json").write_text(json.dumps({
         "machine": machine, "config": config, "summary": summary, "rows": rows,
         "regret": {"budgets": budgets, "curves": curves},
     }, indent=2) + "\n")
     plots = []
-    for system in [p for p in policies if p != ORACLE][:4]:
+    for system in [p for p in config["policies"] if p != ORACLE][:4]:
         name = f"arm_choices_{''.join(c if c.isalnum() else '_' for c in system)}.png"
         policy_report.plot_arm_choices(records, system, out / name)
         plots.append(name)
     policy_report.plot_regret(curves, budgets, out / "regret.png",
-                              f"{args.target}, k={args.k}, greedy, {n_done} mixed prompts: regret vs each prompt's best fixed drafter")
+                              f"{config['target']}, k={config['k']}, greedy, {config['n_prompts']} mixed prompts: "
+                              "regret vs each prompt's fewest-rounds fixed drafter")
     (out / "report.md").write_text(render(machine, config, rows, summary, curves, budgets, plots))
-    print(policy_report.markdown_table(rows, report.ALL))
-    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, regret.png, " + ", ".join(plots))
-    bad = {r["system"]: r["lossless_mismatches"] for r in rows if r["category"] == report.ALL and r["lossless_mismatches"]}
-    if bad:
-        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {bad}", file=sys.stderr)
-    return 130 if interrupted else 0
+    return rows, summary
+
+
+def rerender(out: Path) -> None:
+    """Rebuild results.json and report.md of a finished run from its per_prompt.jsonl."""
+    saved = json.loads((out / "results.json").read_text())
+    records = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines() if line.strip()]
+    write_report(out, records, saved["machine"], saved["config"])
 
 
 def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves: dict, budgets: list[int], plots: list[str]) -> str:
@@ -199,17 +215,23 @@ def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves:
         f"seeded shuffle (seed {config['seed']})" + (" — INTERRUPTED" if config["interrupted"] else ""),
         f"- **session store**: {config['store']}",
         f"- **command**: `{config['command']}`", "",
-        f"Best fixed drafter over the mixed set: `{summary['best_fixed']}`.", "",
+        f"Best fixed drafter over the mixed set (pooled tokens/s): `{summary['best_fixed']}`.", "",
         "## Headline", "",
-        "| policy | ratio to oracle, mean over categories | ratio to best fixed (pooled, all) | rounds to identify (identified) | chooser time / round time |",
-        "|---|---:|---:|---:|---:|",
+        "*Ratio to oracle*: per category, the median over prompts of the policy's tokens/s over the oracle's on the "
+        "same prompt; then the mean over categories. *Ratio to best fixed*: median over all prompts of the per-prompt "
+        "ratio to the best fixed drafter. *Rounds / 100 tokens* is the stopping time, free of clock noise; the "
+        "stopping-time oracle (each prompt's fewest-rounds fixed drafter) needs "
+        f"{policy_report._f(summary['stopping_time_oracle_rounds_per_100_tokens'], 1)}.", "",
+        "| policy | ratio to oracle, mean over categories | ratio to best fixed | rounds / 100 tokens | rounds to identify (identified) | chooser time / round time |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for system, s in summary["policies"].items():
-        if system == "target" or system.startswith(FIXED):
+        if system == "target":
             continue
         ident = "–" if s["rounds_to_identify"] is None else f"{s['rounds_to_identify']:.0f} ({100 * s['identified_share']:.0f}%)"
         lines.append(f"| `{system}` | {policy_report._f(s['ratio_to_oracle_category_mean'], 3)} | "
-                     f"{policy_report._f(s['pooled_ratio_to_best_fixed'], 3)} | {ident} | {policy_report._f(s['chooser_fraction'], 3, True)} |")
+                     f"{policy_report._f(s['ratio_to_best_fixed'], 3)} | {policy_report._f(s['rounds_per_100_tokens'], 1)} | "
+                     f"{ident} | {policy_report._f(s['chooser_fraction'], 3, True)} |")
     lines += ["", "## All prompts", "", policy_report.markdown_table(rows, report.ALL), "",
               "## Per category", "", policy_report.markdown_table([r for r in rows if r["category"] != report.ALL]), "",
               "Medians over prompts with [p25, p75]; *ratio to oracle / best fixed* are per-prompt tokens/s ratios; "
@@ -220,3 +242,14 @@ def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves:
         lines.append(f"| `{system}` | " + " | ".join(policy_report._f(v, 1) for v in curve[::2]) + " |")
     lines += ["", "![regret](regret.png)", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # python -m bench.policies --rerender DIR: re-aggregate a finished run (e.g. after a report change)
+    import sys as _sys
+
+    if len(_sys.argv) == 3 and _sys.argv[1] == "--rerender":
+        rerender(Path(_sys.argv[2]))
+    else:
+        print("usage: python -m bench.policies --rerender DIR (runs are started with specpool bench --policies)")
+        _sys.exit(2)

@@ -163,14 +163,24 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
                 "lossless_mismatches": sum(1 for r in group if r["matches_target"] is False),
             })
     by_key = {(r["category"], r["system"]): r for r in rows}
-    summary = {"best_fixed": fixed_best, "policies": {}}
+    # Stopping time (rounds per 100 tokens) needs no clock, so machine noise cannot touch it: the
+    # policy's rounds against those of each prompt's fewest-rounds fixed drafter.
+    rounds_of = {(r["system"], r["prompt_index"]): r["rounds"] for r in records}
+    tokens_of = {r["prompt_index"]: r["new_tokens"] for r in records}
+    best_rounds = sum(rounds_of[(FIXED_PREFIX + d, i)] for i, d in st_best.items())
+    best_tokens = sum(tokens_of[i] for i in st_best)
+    summary = {"best_fixed": fixed_best, "policies": {},
+               "stopping_time_oracle_rounds_per_100_tokens": 100.0 * best_rounds / best_tokens if best_tokens else None}
     for system in systems:
-        cells = [by_key[(c, system)]["pooled_ratio_to_oracle"] for c in categories if (c, system) in by_key]
+        # Medians of per-prompt ratios (robust to a slow outlier run), averaged over categories.
+        cells = [by_key[(c, system)]["ratio_to_oracle"] for c in categories if (c, system) in by_key]
         cells = [c for c in cells if c is not None]
         overall = by_key.get((ALL, system))
         summary["policies"][system] = {
             "ratio_to_oracle_category_mean": float(np.mean(cells)) if cells else None,
+            "ratio_to_best_fixed": overall["ratio_to_best_fixed"] if overall else None,
             "pooled_ratio_to_best_fixed": overall["pooled_ratio_to_best_fixed"] if overall else None,
+            "rounds_per_100_tokens": overall["rounds_per_100_tokens"] if overall else None,
             "rounds_to_identify": overall["rounds_to_identify"] if overall else None,
             "identified_share": overall["identified_share"] if overall else None,
             "chooser_fraction": overall["chooser_fraction"] if overall else None,

@@ -70,6 +70,10 @@ def test_aggregate_rows_and_summary():
     # category mean of pooled ratios to the oracle: code (8/3)/4, math (8/4)/4
     assert summary["policies"]["p"]["ratio_to_oracle_category_mean"] == pytest.approx(((8 / 3) / 4 + 2 / 4) / 2)
     assert summary["best_fixed"] == "fixed:b"
+    # stopping time: each prompt's fewest-rounds fixed drafter needs 2 + 2 rounds for 16 tokens
+    assert summary["stopping_time_oracle_rounds_per_100_tokens"] == pytest.approx(25.0)
+    assert summary["policies"]["p"]["rounds_per_100_tokens"] == pytest.approx(100 * 6 / 16)
+    assert summary["policies"]["p"]["ratio_to_best_fixed"] == pytest.approx(((8 / 3) / 2 + (8 / 4) / 4) / 2)
     assert row(rows, "all", "fixed:a")["chooser_fraction"] is None
 
 
