@@ -1,20 +1,29 @@
-"""The target's side of a round: one forward pass over the k+1 positions, then acceptance."""
+"""The target's side of a round: one forward pass over the k+1 positions, then acceptance.
+
+``verify`` serves one request; ``verify_batch`` serves requests of many sessions with one
+batched forward (the Ray Serve target deployment calls it from a ``@serve.batch`` handler).
+Both share the acceptance step, so a request's outcome does not depend on which one served it.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from router.errors import InvalidArgument
-from target.kv_cache import SessionCaches
+from router.errors import InvalidArgument, SpecpoolError
+from target.kv_cache import PrefixCache, SessionCaches, batched_logits, supports_batched_logits
 from target.models import context_window, tokenizer_fingerprint
 from target.rejection import SparseDist, speculative_verify
 from target.sampling import SamplingParams, logits_to_probs, request_generator
 
 TARGET_STREAM = 0  # random stream id of the target's draws (drafters use others)
+# verify_batch splits a batch where padding would cost more than one more forward: the fixed cost
+# of a forward (reading all weights) in tokens' worth of compute. See ``plan_forwards``.
+SPLIT_COST_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -36,27 +45,142 @@ class VerifyResult:
     forward_s: float = 0.0  # time inside the model forward (the rest is acceptance and bookkeeping)
 
 
+def plan_forwards(new_tokens: Sequence[int], split_cost_tokens: int = SPLIT_COST_TOKENS) -> list[list[int]]:
+    """Group batch rows (given by how many new tokens each feeds) into forwards.
+
+    Every row of a padded forward is as wide as the widest one, and a pad costs the compute of a
+    real token; a separate forward costs one more pass over the weights instead. Rows sorted by
+    width join the current group unless widening its rows to the newcomer's width adds more than
+    ``split_cost_tokens`` pads. Rows of verification rounds (k+1 tokens each) stay together; a
+    fresh session's prompt prefill does not make every other row hundreds of tokens wide.
+    Returns row indices per forward.
+    """
+    groups: list[list[int]] = []
+    width = 0
+    for i in sorted(range(len(new_tokens)), key=lambda j: new_tokens[j]):
+        n = new_tokens[i]
+        if not groups or len(groups[-1]) * (n - width) > split_cost_tokens:
+            groups.append([])
+        groups[-1].append(i)
+        width = n
+    return groups
+
+
 class TargetVerifier:
     """Verifies drafts for many sessions, each with its own prefix-reusing KV cache."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache_capacity: int = 64):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        cache_capacity: int = 64,
+        split_cost_tokens: int = SPLIT_COST_TOKENS,  # see plan_forwards
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.caches = SessionCaches(model, cache_capacity)
         self.vocab_size = int(model.config.vocab_size)
         self.context_window = context_window(model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        # Padded batching needs plain full-attention caches; other models verify one by one.
+        self.batchable = supports_batched_logits(model)
+        self.split_cost_tokens = split_cost_tokens
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
+        self._check(request)
+        k = len(request.draft_tokens)
+        cache = self.caches.get(request.session_id)
+        started = time.perf_counter()
+        logits = cache.logits(request.context_ids + request.draft_tokens, n_last=k + 1)  # (k+1, V)
+        return self._accept(request, cache, logits, time.perf_counter() - started)
+
+    def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult | SpecpoolError]:
+        """Verify requests of DIFFERENT sessions in one batched forward pass. Result i belongs to
+        request i; an invalid request yields its SpecpoolError in place (it must not fail the
+        others). Requests of the same session in one batch are processed one after another (each
+        sees the previous one's cache).
+
+        Why: concurrent sessions each send a k+1-token verification; one forward over all of
+        them reads the target's weights once instead of once per session. Each request's result
+        equals what ``verify`` alone returns (same acceptance code, same per-request random
+        stream; logits equal up to float round-off), and every cache is left holding context +
+        accepted tokens, as after ``verify``.
+
+        Same-session requests are split into waves (the j-th request of every session forms
+        wave j), each wave normally one forward; ``plan_forwards`` splits a wave only where
+        padding would cost more than another forward (a prompt prefill among k+1-token rounds).
+        A group of one request, or a model whose caches cannot be padded
+        (``supports_batched_logits``), goes through ``verify`` itself. ``forward_s`` of a
+        batched result is the wall time of the whole shared forward.
+        """
+        results: list[VerifyResult | SpecpoolError | None] = [None] * len(requests)
+        waves: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            try:
+                self._check(request)
+            except SpecpoolError as exc:
+                results[i] = exc
+                continue
+            ordinal = seen.get(request.session_id, 0)
+            seen[request.session_id] = ordinal + 1
+            if ordinal == len(waves):
+                waves.append([])
+            waves[ordinal].append(i)
+        for wave in waves:
+            if not self.batchable:
+                groups = [[i] for i in wave]
+            else:
+                new_tokens = [self._new_tokens(requests[i]) for i in wave]
+                groups = [[wave[j] for j in group] for group in plan_forwards(new_tokens, self.split_cost_tokens)]
+            for group in groups:
+                self._verify_group([requests[i] for i in group], group, results)
+        return results  # type: ignore[return-value]  # every slot is filled above
+
+    def _new_tokens(self, request: VerifyRequest) -> int:
+        """How many tokens the forward must feed for ``request``: all but its reusable cached prefix."""
+        ids = request.context_ids + request.draft_tokens
+        return len(ids) - self.caches.get(request.session_id).reusable(ids, len(request.draft_tokens) + 1)
+
+    def _verify_group(self, batch: list[VerifyRequest], slots: list[int], results: list) -> None:
+        """Requests of distinct sessions in one forward; results[slots[j]] gets request j's."""
+        if len(batch) == 1:
+            try:
+                results[slots[0]] = self.verify(batch[0])
+            except SpecpoolError as exc:
+                results[slots[0]] = exc
+            return
+        caches = [self.caches.get(r.session_id) for r in batch]
+        started = time.perf_counter()
+        logits = batched_logits(
+            caches,
+            [r.context_ids + r.draft_tokens for r in batch],
+            [len(r.draft_tokens) + 1 for r in batch],
+        )  # B x (k_i+1, V)
+        forward_s = time.perf_counter() - started
+        for slot, request, cache, rows in zip(slots, batch, caches, logits):
+            try:
+                results[slot] = self._accept(request, cache, rows, forward_s)
+            except SpecpoolError as exc:
+                results[slot] = exc
+
+    def _check(self, request: VerifyRequest) -> None:
+        """Reject a request before any model work (and before it can join a batch)."""
         k = len(request.draft_tokens)
         if not request.context_ids:
             raise InvalidArgument("verification needs a non-empty context")
         if len(request.context_ids) + k + 1 > self.context_window:
             raise InvalidArgument(f"context of {len(request.context_ids) + k} tokens exceeds the window {self.context_window}")
-        cache = self.caches.get(request.session_id)
-        started = time.perf_counter()
-        logits = cache.logits(request.context_ids + request.draft_tokens, n_last=k + 1)  # (k+1, V)
-        forward_s = time.perf_counter() - started
+        if len(request.q) != k:
+            raise InvalidArgument(f"need one proposal distribution per draft token: {k} drafts, {len(request.q)} q")
+        if not 0 <= request.return_top_k <= self.vocab_size:
+            raise InvalidArgument(f"return-top-k must be in 0..{self.vocab_size} (the vocabulary), got {request.return_top_k}")
+
+    def _accept(self, request: VerifyRequest, cache: PrefixCache, logits: torch.Tensor, forward_s: float) -> VerifyResult:
+        """Acceptance over the target's logits (k+1, V) for this request's last k+1 positions, the
+        cache rollback to context + accepted, and the optional top-K: the part of a round after
+        the forward, shared by ``verify`` and ``verify_batch``."""
+        k = len(request.draft_tokens)
         p = logits_to_probs(logits, request.params)  # (k+1, V)
         generator = None
         if not request.params.greedy:
