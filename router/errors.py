@@ -34,6 +34,24 @@ class StoreUnavailable(SpecpoolError):
     code = "UNAVAILABLE"
 
 
+class DeadlineExceeded(SpecpoolError):
+    """The caller's deadline passed before the request finished; its work was stopped."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(SpecpoolError):
+    """The caller cancelled the request; its work was stopped and its caches freed."""
+
+    code = "CANCELLED"
+
+
+class SessionBusy(SpecpoolError):
+    """Another request of the same session is running; a session runs one request at a time."""
+
+    code = "ABORTED"
+
+
 class IncompatibleModels(InvalidArgument):
     """Drafter and target do not share a tokenizer, so token ids would mean different things."""
 

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark speculative decoding against target-only and Hugging Face")
     add_bench_arguments(bench)
     _add_model_options(bench)
+
+    from services.cli_served import add_served_commands
+
+    add_served_commands(commands)  # serve, client generate, bench-served (services/cli_served.py)
     return parser
 
 
@@ -297,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.speed import run_bench
 
             return run_bench(args, settings)
+        if args.command in ("serve", "client", "bench-served"):
+            from services.cli_served import run_served_command
+
+            return run_served_command(args, settings)
     except SpecpoolError as exc:
         print(f"specpool: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

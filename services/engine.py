@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from drafters.base import Drafter
 from drafters.registry import DrafterContext, create_drafter
@@ -17,6 +17,9 @@ from router.session_store import InMemorySessionStore, SessionKey, SessionStore
 from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, check_same_tokenizer, load_causal_lm
 from target.sampling import SamplingParams, validate_draft_length
 from target.verifier import TargetVerifier
+
+if TYPE_CHECKING:
+    from services.learner import EmbeddedLearning, LearningConfig
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,24 @@ def default_pool() -> list[str]:
 
 
 class EmbeddedEngine:
-    def __init__(self, config: EngineConfig, store: SessionStore | None = None):
+    def __init__(self, config: EngineConfig, store: SessionStore | None = None, learning: "LearningConfig | None" = None):
         self.config = config
         self.model, self.tokenizer = load_causal_lm(config.target, config.home)
         self.verifier = TargetVerifier(self.model, self.tokenizer, config.cache_capacity)
         self._drafters: dict[str, Drafter] = {}
         # Bandit state per (tenant, session). In memory by default: the embedded mode needs no Redis.
         self.store = store if store is not None else InMemorySessionStore()
+        # Online learning (services/learner.py): feedback stream, learner thread, hot-swapped drafters.
+        self.learning: EmbeddedLearning | None = None
+        if learning is not None:
+            from services.learner import EmbeddedLearning
+
+            self.learning = EmbeddedLearning(learning, config.home)
+
+    def close(self) -> None:
+        """Stop the learner thread (it commits what it has applied first)."""
+        if self.learning is not None:
+            self.learning.close()
 
     @classmethod
     def default(cls, home: Path) -> "EmbeddedEngine":
@@ -110,10 +124,14 @@ class EmbeddedEngine:
             bandit = make_policy(policy, pool if pool is not None else default_pool(), policy_options)
             drafters = {name: self.drafter(name) for name in dict.fromkeys(parse_arm(a)[0] for a in bandit.arms)}
             chooser = BanditChooser(bandit, self.store, key, seed=params.seed, trace=trace)
+        feedback = None
+        if self.learning is not None:  # pin this request's drafter versions; never mixed within it
+            drafters, feedback = self.learning.prepare(key.tenant, drafters)
         try:
             result = speculative_generate(
                 prompt_ids, session_id=session, drafters=drafters, chooser=chooser,
                 verifier=self.verifier, params=params, k=k, on_tokens=on_tokens, on_round=on_round,
+                feedback=feedback, return_top_k=self.learning.top_k if feedback is not None else 0,
             )
         finally:
             self.verifier.release(session)

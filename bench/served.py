@@ -1,0 +1,384 @@
+"""``specpool bench-served``: served mode (Ray Serve + gRPC + Redis) against the embedded engine.
+
+One process, one run (DESIGN.md, "Measuring"): it starts a local served deployment (the same
+``start_local`` as `specpool serve`) and loads the embedded engine with the same models, then
+
+1. **single session, side by side**: for every prompt, served (GenerateStream over gRPC on
+   loopback) and embedded (``EmbeddedEngine.generate``), alternating which goes first; greedy,
+   same policy, pool, k and seed. Reports tokens/s of each, their ratio (per prompt and pooled),
+   and whether the tokens are identical;
+2. **concurrency**: 1, 4 and 8 client sessions at once (threads, one gRPC stream each) working
+   through the prompts; aggregate tokens/s = all tokens / wall time, and the target's batch sizes;
+3. **latency** at every concurrency level: time to first token (TTFT, request sent -> first
+   streamed token) and inter-token latency (ITL: each streamed message's gap since the previous
+   one, spread over the tokens it carries; tokens arrive a round at a time).
+
+Writes results.json, report.md and throughput.png to --out. Aggregation and rendering are pure
+functions below (unit-tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import shlex
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from router.errors import check
+
+DEFAULT_CONCURRENCY = "1,4,8"
+WARMUP_PROMPT = "Say hello."
+
+
+def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-Bench question file (JSON lines with category and turns)")
+    parser.add_argument("--limit-per-category", type=int, default=1, help="first N prompts of each category (default 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    parser.add_argument("--pool", default="ngram,code,chat",
+                        help="drafters served and chosen among (default ngram,code,chat); the same pool runs embedded")
+    parser.add_argument("--policy", default="metasd-ucb", help="drafter-choice policy, served and embedded (default metasd-ucb)")
+    parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
+    parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"concurrent sessions to measure (default {DEFAULT_CONCURRENCY})")
+    parser.add_argument("--requests-per-level", type=int, default=0,
+                        help="requests at each concurrency level (default: max(#prompts, 2 x sessions))")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="the target's @serve.batch size (default 8)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--port", type=int, default=50061, help="gRPC port of the benchmark's own server (default 50061)")
+    parser.add_argument("--out", default="bench/results/served", help="output folder (default bench/results/served)")
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    check(bool(levels) and all(1 <= n <= 64 for n in levels), f"--concurrency must be comma-separated numbers in 1..64, got {text!r}")
+    return sorted(set(levels))
+
+
+# -- pure aggregation ------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+@dataclass
+class StreamTiming:
+    """When a streamed request's messages arrived, relative to sending it."""
+
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since send, tokens in message)
+    wall_s: float = 0.0  # send -> last message
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    def ttft(self) -> float | None:
+        return next((t for t, n in self.arrivals if n > 0), None)
+
+    def inter_token(self) -> list[float]:
+        """Per-token gaps: a message's gap since the previous token-bearing one, spread over its tokens."""
+        gaps: list[float] = []
+        previous = None
+        for t, n in self.arrivals:
+            if n <= 0:
+                continue
+            if previous is not None:
+                gaps.extend([(t - previous) / n] * n)
+            previous = t
+        return gaps
+
+
+def latency_summary(timings: Sequence[StreamTiming]) -> dict:
+    ttft = [t for t in (x.ttft() for x in timings) if t is not None]
+    itl = [g for x in timings for g in x.inter_token()]
+    return {
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "requests": len(timings), "tokens": sum(x.tokens for x in timings),
+    }
+
+
+def single_session_summary(records: Sequence[dict]) -> dict:
+    """Served vs embedded over the side-by-side records (one per prompt)."""
+    ratios = [r["served_tps"] / r["embedded_tps"] for r in records if r["embedded_tps"] and r["served_tps"]]
+    served_tokens = sum(r["served_tokens"] for r in records)
+    embedded_tokens = sum(r["embedded_tokens"] for r in records)
+    served_s = sum(r["served_s"] for r in records)
+    embedded_s = sum(r["embedded_s"] for r in records)
+    served_tps = served_tokens / served_s if served_s else None
+    embedded_tps = embedded_tokens / embedded_s if embedded_s else None
+    return {
+        "prompts": len(records),
+        "served_tokens_per_s": served_tps, "embedded_tokens_per_s": embedded_tps,
+        "ratio_pooled": served_tps / embedded_tps if served_tps and embedded_tps else None,
+        "ratio_mean_per_prompt": sum(ratios) / len(ratios) if ratios else None,
+        "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
+        "identical_outputs": sum(1 for r in records if r["identical"]),
+    }
+
+
+def _f(value, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
+    return "–" if value is None else f"{value * scale:.{digits}f}{unit}"
+
+
+def markdown_report(result: dict, plot: str | None) -> str:
+    cfg, single, levels = result["config"], result["single_session"], result["concurrency"]
+    lines = [
+        "# Served vs embedded", "",
+        f"- command: `{result['command']}`",
+        f"- machine: {result['machine'].get('cpu')} ({result['machine'].get('cores')} cores), torch {result['machine'].get('torch')}; "
+        f"Ray {result['machine'].get('ray')}, grpcio {result['machine'].get('grpcio')}",
+        f"- target {cfg['target']}, pool {', '.join(cfg['pool'])}, policy {cfg['policy']}, k {cfg['k']}, greedy, "
+        f"{cfg['max_new_tokens']} new tokens, {single['prompts']} prompts ({cfg['prompts_file']}, {cfg['limit_per_category']} per category)",
+        f"- served: router + target (@serve.batch max {cfg['max_batch_size']}) + {len(cfg['pool'])} drafter deployments on one local Ray, "
+        "client over gRPC on loopback, session state in Redis; embedded: the same models in this process, in-memory state",
+        "",
+        "## Single session, side by side", "",
+        "| system | tokens/s (pooled) |", "|---|---|",
+        f"| embedded | {_f(single['embedded_tokens_per_s'])} |",
+        f"| served | {_f(single['served_tokens_per_s'])} |",
+        "",
+        f"**served / embedded = {_f(single['ratio_pooled'], 3)}** pooled (total tokens / total time); mean of per-prompt ratios "
+        f"{_f(single['ratio_mean_per_prompt'], 3)} (min {_f(single['ratio_min'], 3)}, max {_f(single['ratio_max'], 3)}). "
+        f"Identical greedy outputs: {single['identical_outputs']} of {single['prompts']}.",
+        "",
+        "## Concurrent sessions (served)", "",
+        "| sessions | requests | tokens | wall s | aggregate tokens/s | × 1 session | TTFT p50 / p99 | ITL p50 / p99 | target batch sizes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = next((lv["tokens_per_s"] for lv in levels if lv["sessions"] == 1), None)
+    for lv in levels:
+        lat = lv["latency"]
+        sizes = ", ".join(f"{size}×{count}" for size, count in sorted(lv["batch_sizes"].items(), key=lambda kv: int(kv[0])))
+        lines.append(
+            f"| {lv['sessions']} | {lv['requests']} | {lv['tokens']} | {lv['wall_s']:.1f} | {_f(lv['tokens_per_s'])} | "
+            f"{_f(lv['tokens_per_s'] / base if base else None)} | {_f(lat['ttft_p50_s'], 0, 1000, ' ms')} / {_f(lat['ttft_p99_s'], 0, 1000, ' ms')} | "
+            f"{_f(lat['itl_p50_s'], 0, 1000, ' ms')} / {_f(lat['itl_p99_s'], 0, 1000, ' ms')} | {sizes or '–'} |"
+        )
+    lines += ["", "Target batch sizes: `size×count` of the target's verify forwards at that level (from its `Stats`).",
+              "TTFT: request sent → first streamed token; ITL: each streamed message's gap since the previous one, "
+              "spread over the tokens it carries (a round's tokens arrive together).", ""]
+    if plot:
+        lines += [f"![aggregate tokens/s]({plot})", ""]
+    return "\n".join(lines)
+
+
+def plot_throughput(levels: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    xs = [lv["sessions"] for lv in levels]
+    ax1.plot(xs, [lv["tokens_per_s"] for lv in levels], marker="o")
+    ax1.set_xlabel("concurrent sessions")
+    ax1.set_ylabel("aggregate tokens/s")
+    ax1.set_xticks(xs)
+    ax1.grid(alpha=0.3)
+    for key, label in (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("itl_p99_s", "ITL p99")):
+        ax2.plot(xs, [(lv["latency"][key] or 0) * 1000 for lv in levels], marker="o", label=label)
+    ax2.set_xlabel("concurrent sessions")
+    ax2.set_ylabel("ms")
+    ax2.set_xticks(xs)
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+def _stream_once(client, prompt: str, fields: dict) -> tuple[StreamTiming, list[int]]:
+    timing = StreamTiming()
+    tokens: list[int] = []
+    started = time.perf_counter()
+    for chunk in client.generate_stream(prompt, **fields):
+        now = time.perf_counter() - started
+        timing.arrivals.append((now, len(chunk.token_ids)))
+        tokens.extend(chunk.token_ids)
+    timing.wall_s = time.perf_counter() - started
+    return timing, tokens
+
+
+def command_line(args: argparse.Namespace) -> str:
+    return shlex.join([
+        "specpool", "bench-served", "--prompts", str(args.prompts), "--limit-per-category", str(args.limit_per_category),
+        "--max-new-tokens", str(args.max_new_tokens), "--pool", args.pool, "--policy", args.policy, "-k", str(args.k),
+        "--concurrency", args.concurrency, "--max-batch-size", str(args.max_batch_size), "--out", str(args.out),
+    ] + (["--requests-per-level", str(args.requests_per_level)] if args.requests_per_level else []))
+
+
+def run_bench_served(args: argparse.Namespace, settings) -> int:
+    import grpc
+    import ray
+    from ray import serve
+    from tqdm import tqdm
+
+    from bench.speed import load_questions, machine_info
+    from router.policies import PolicyOptions, make_policy
+    from services.client import SpecPoolClient
+    from services.engine import EmbeddedEngine, EngineConfig
+    from services.local_serve import start_local
+    from services.serve_config import DEFAULT_TARGET, default_serve_config, plan_from_config
+    from target.models import ModelConfig
+    from target.sampling import SamplingParams, validate_draft_length
+
+    questions = load_questions(Path(args.prompts), args.limit_per_category)
+    pool = [p.strip() for p in args.pool.split(",") if p.strip()]
+    check(bool(pool), "--pool is empty")
+    make_policy(args.policy, pool, PolicyOptions())
+    validate_draft_length(args.k)
+    check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    levels = parse_levels(args.concurrency)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k)
+    for app in config["applications"]:
+        if app["name"] == "target":
+            app["args"]["max_batch_size"] = args.max_batch_size
+        if app["name"] == "router":
+            app["args"]["redis_namespace"] = f"specpool-bench-{uuid.uuid4().hex[:8]}"
+    plan = plan_from_config(config, "the benchmark's config")
+    say = lambda m: print(f"bench-served: {m}", flush=True)  # noqa: E731
+    local = start_local(plan, metrics_port=None, progress=say)
+    namespace = next(a for a in config["applications"] if a["name"] == "router")["args"]["redis_namespace"]
+    try:
+        say("loading the embedded engine (same target and drafters) ...")
+        engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(DEFAULT_TARGET)))
+        for name in pool:
+            engine.drafter(name)
+        stop_ids = engine.stop_token_ids()
+        client = SpecPoolClient(local.address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        fields = dict(max_new_tokens=args.max_new_tokens, policy=args.policy, k=args.k, tenant="bench")
+
+        def embedded(prompt: str) -> tuple[list[int], float]:
+            ids = engine.encode_prompt(prompt)
+            params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids)
+            started = time.perf_counter()
+            result = engine.generate(ids, params, k=args.k, session_id=uuid.uuid4().hex, policy=args.policy, pool=pool)
+            return result.token_ids, time.perf_counter() - started
+
+        say("warm-up ...")
+        embedded(WARMUP_PROMPT)
+        _stream_once(client, WARMUP_PROMPT, {**fields, "session_id": uuid.uuid4().hex})
+
+        records = []
+        for i, q in enumerate(tqdm(questions, desc="single session (served | embedded)", unit="prompt")):
+            session = uuid.uuid4().hex
+            order = ("served", "embedded") if i % 2 == 0 else ("embedded", "served")
+            got: dict = {}
+            for system in order:
+                if system == "served":
+                    timing, tokens = _stream_once(client, q.prompt, {**fields, "session_id": session})
+                    got["served"] = (tokens, timing.wall_s, timing)
+                else:
+                    tokens, wall = embedded(q.prompt)
+                    got["embedded"] = (tokens, wall, None)
+            s_tokens, s_wall, s_timing = got["served"]
+            e_tokens, e_wall, _ = got["embedded"]
+            records.append({
+                "question_id": q.question_id, "category": q.category, "first": order[0],
+                "served_tokens": len(s_tokens), "served_s": s_wall, "served_tps": len(s_tokens) / s_wall if s_wall else None,
+                "embedded_tokens": len(e_tokens), "embedded_s": e_wall, "embedded_tps": len(e_tokens) / e_wall if e_wall else None,
+                "identical": s_tokens == e_tokens, "ttft_s": s_timing.ttft(),
+            })
+        del engine  # frees the in-process models before the concurrency runs
+        target_handle = serve.get_deployment_handle("Target", app_name="target")
+
+        def batch_sizes() -> dict:
+            return target_handle.options(method_name="Stats").remote().result()["batch_sizes"]
+
+        concurrency = []
+        for sessions in levels:
+            n_requests = args.requests_per_level or max(len(questions), 2 * sessions)
+            work: queue.Queue = queue.Queue()
+            for j in range(n_requests):
+                work.put(questions[j % len(questions)].prompt)
+            timings: list[StreamTiming] = []
+            errors: list[str] = []
+            lock = threading.Lock()
+            before = batch_sizes()
+
+            def worker() -> None:
+                while True:
+                    try:
+                        prompt = work.get_nowait()
+                    except queue.Empty:
+                        return
+                    try:
+                        timing, _ = _stream_once(client, prompt, {**fields, "session_id": uuid.uuid4().hex})
+                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                        with lock:
+                            errors.append(str(exc))
+                        continue
+                    with lock:
+                        timings.append(timing)
+
+            say(f"{sessions} concurrent session(s), {n_requests} requests ...")
+            threads = [threading.Thread(target=worker) for _ in range(sessions)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            after = batch_sizes()
+            sizes = {str(s): after.get(s, 0) - before.get(s, 0) for s in after if after.get(s, 0) - before.get(s, 0)}
+            tokens = sum(t.tokens for t in timings)
+            concurrency.append({"sessions": sessions, "requests": len(timings), "errors": errors, "tokens": tokens,
+                                "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+                                "latency": latency_summary(timings), "batch_sizes": sizes})
+        client.close()
+    finally:
+        try:
+            import redis
+
+            raw = redis.Redis.from_url(args.redis_url)
+            keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
+            if keys:
+                raw.delete(*keys)
+            raw.close()
+        except Exception:  # noqa: BLE001 - cleanup only
+            pass
+        local.shutdown()
+
+    machine = machine_info("cpu")
+    machine.update({"ray": ray.__version__, "grpcio": grpc.__version__})
+    result = {
+        "command": command_line(args), "machine": machine,
+        "config": {"target": DEFAULT_TARGET, "pool": pool, "policy": args.policy, "k": args.k,
+                   "max_new_tokens": args.max_new_tokens, "prompts_file": str(args.prompts),
+                   "limit_per_category": args.limit_per_category, "max_batch_size": args.max_batch_size,
+                   "serve_config": config},
+        "single_session": single_session_summary(records), "per_prompt": records, "concurrency": concurrency,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot = None
+    try:
+        plot_throughput(concurrency, out / "throughput.png", f"served, {', '.join(pool)}, k={args.k}")
+        plot = "throughput.png"
+    except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+        say(f"no plot ({exc})")
+    (out / "report.md").write_text(markdown_report(result, plot))
+    single = result["single_session"]
+    say(f"single session: served {_f(single['served_tokens_per_s'])} vs embedded {_f(single['embedded_tokens_per_s'])} tokens/s "
+        f"(ratio {_f(single['ratio_pooled'], 3)}); " + "; ".join(f"{lv['sessions']} sessions {_f(lv['tokens_per_s'])} tokens/s"
+                                                          for lv in concurrency))
+    say(f"wrote {out / 'results.json'}, {out / 'report.md'}")
+    return 0

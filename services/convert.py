@@ -1,0 +1,125 @@
+"""Protobuf <-> dataclass conversion for the internal services (Target.Verify, Drafter.Propose):
+protobuf types stop here (DESIGN.md, "Layout"); ``services/api.py`` does the public SpecPool API.
+
+The router's loop, the verifier and the drafters pass dataclasses (``VerifyRequest``,
+``Proposal``, ``SparseDist``, ``SamplingParams``); the messages of ``protos/specpool/v1`` exist
+only on the wire. Every ``*_from_proto`` checks what a well-typed message can still get wrong
+(lengths that must agree, a oneof left empty) and raises ``InvalidArgument`` with a message for
+the caller. Pure: no servers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafters.base import Proposal
+from router.errors import InvalidArgument, check
+from services.api import decimal_float
+from services.gen.specpool.v1 import common_pb2, drafter_pb2, target_pb2
+from target.rejection import SparseDist
+from target.sampling import MAX_DRAFT_LENGTH, SamplingParams
+from target.verifier import VerifyRequest, VerifyResult
+
+
+
+# -- shared messages ----------------------------------------------------------------------------------
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+
+
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, max_new_tokens: int = 128, stop_token_ids: tuple[int, ...] = ()
+) -> SamplingParams:
+    """``top_p`` unset means 1.0; an explicit 0 stays 0 and fails validation (INVALID_ARGUMENT)."""
+    top_p = decimal_float(msg.top_p) if msg.HasField("top_p") else 1.0
+    return SamplingParams(
+        temperature=decimal_float(msg.temperature), top_p=top_p, top_k=int(msg.top_k), seed=int(msg.seed),
+        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+    )
+
+
+def sparse_to_proto(dist: SparseDist) -> common_pb2.SparseDistribution:
+    return common_pb2.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.float().tolist())
+
+
+def sparse_from_proto(msg: common_pb2.SparseDistribution, what: str = "a distribution") -> SparseDist:
+    check(len(msg.token_ids) == len(msg.probs),
+          f"{what} has {len(msg.token_ids)} token ids but {len(msg.probs)} probabilities")
+    check(len(msg.token_ids) > 0, f"{what} is empty")
+    return SparseDist(torch.tensor(list(msg.token_ids), dtype=torch.long), torch.tensor(list(msg.probs), dtype=torch.float32))
+
+
+def _session(session_id: str) -> str:
+    check(bool(session_id), "session_id is empty")
+    return session_id
+
+
+# -- Target.Verify ------------------------------------------------------------------------------------
+def verify_request_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        session_id=request.session_id, context_ids=request.context_ids, draft_tokens=request.draft_tokens,
+        q=[sparse_to_proto(q) for q in request.q], sampling=sampling_to_proto(request.params),
+        return_top_k=request.return_top_k,
+    )
+
+
+def verify_request_from_proto(msg: target_pb2.VerifyRequest) -> VerifyRequest:
+    check(len(msg.q) == len(msg.draft_tokens),
+          f"a verify request needs one q per draft token: {len(msg.draft_tokens)} tokens, {len(msg.q)} q")
+    check(len(msg.draft_tokens) <= MAX_DRAFT_LENGTH, f"at most {MAX_DRAFT_LENGTH} draft tokens, got {len(msg.draft_tokens)}")
+    return VerifyRequest(
+        session_id=_session(msg.session_id), context_ids=list(msg.context_ids), draft_tokens=list(msg.draft_tokens),
+        q=[sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
+        params=sampling_from_proto(msg.sampling), return_top_k=int(msg.return_top_k),
+    )
+
+
+def verify_result_to_proto(result: VerifyResult) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(
+        accepted=result.accepted, tokens=result.tokens, tv=result.tv,
+        target_top_k=[sparse_to_proto(d) for d in (result.target_top_k or [])], forward_s=result.forward_s,
+    )
+
+
+def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
+    return VerifyResult(
+        accepted=int(msg.accepted), tokens=list(msg.tokens), tv=list(msg.tv),
+        target_top_k=[sparse_from_proto(d) for d in msg.target_top_k] or None, forward_s=float(msg.forward_s),
+    )
+
+
+# -- Drafter.Propose ----------------------------------------------------------------------------------
+def propose_request_to_proto(session_id: str, context_ids: list[int], k: int, params: SamplingParams,
+                             drafter: str = "") -> drafter_pb2.ProposeRequest:
+    return drafter_pb2.ProposeRequest(session_id=session_id, context_ids=context_ids, k=k,
+                                      sampling=sampling_to_proto(params), drafter=drafter)
+
+
+@dataclass(frozen=True)
+class ProposeArgs:
+    """A ProposeRequest as the arguments of ``Drafter.propose``."""
+
+    session_id: str
+    context_ids: list[int]
+    k: int
+    params: SamplingParams
+    drafter: str  # "" = the server's only drafter
+
+
+def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
+    check(1 <= msg.k <= MAX_DRAFT_LENGTH, f"k (draft length) must be in 1..{MAX_DRAFT_LENGTH}, got {msg.k}")
+    check(len(msg.context_ids) > 0, "a propose request needs a non-empty context")
+    return ProposeArgs(_session(msg.session_id), list(msg.context_ids), int(msg.k), sampling_from_proto(msg.sampling), msg.drafter)
+
+
+def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb2.ProposeResponse:
+    return drafter_pb2.ProposeResponse(tokens=proposal.tokens, q=[sparse_to_proto(q) for q in proposal.q],
+                                       forward_s=proposal.forward_s, weight_version=weight_version)
+
+
+def proposal_from_proto(msg: drafter_pb2.ProposeResponse) -> Proposal:
+    check(len(msg.q) == len(msg.tokens), f"a proposal needs one q per token: {len(msg.tokens)} tokens, {len(msg.q)} q")
+    return Proposal(list(msg.tokens), [sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
+                    float(msg.forward_s))

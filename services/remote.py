@@ -1,0 +1,98 @@
+"""Adapters that make the drafter and target deployments look local to the speculative loop.
+
+``RemoteDrafter`` implements the ``Drafter`` protocol and ``RemoteVerifier`` the loop's
+``Verifier`` protocol (plus ``release``) by calling a Ray Serve deployment with the messages of
+``protos/specpool/v1`` (``Drafter.Propose``/``Release``, ``Target.Verify``/``Release``). They
+block, so the router calls them from a worker thread, never from its event loop.
+
+Transport: with ``transport="grpc"`` (the default) each call is a deployment-handle call with
+``_by_reference=False``, which Ray Serve 2.60 sends over gRPC to the replica's inter-deployment
+gRPC server (the request and response are the specpool.v1 protobuf messages); "actor" uses Ray
+actor calls instead.
+
+Session affinity: every call carries the session id (``handle.options(session_id=...)``) and the
+model deployments route with Serve's consistent-hash request router, so all rounds of a session
+reach the replica holding its KV cache. When that replica dies, the ring moves the session to
+another replica, which re-prefills from the full context the request carries: slower once, never
+wrong. Calls that fail because a replica is gone are retried (same request, same seed: a retried
+round draws the same random numbers) for up to ``retry_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from drafters.base import CostMeter, Proposal
+from router.errors import ModelUnavailable, SpecpoolError
+from services import convert
+from services.gen.specpool.v1 import common_pb2
+from services.status import is_unavailable, unwrap
+from target.sampling import SamplingParams
+from target.verifier import VerifyRequest, VerifyResult
+
+
+class DeploymentCaller:
+    """Blocking calls to one deployment, with session affinity and retries on lost replicas."""
+
+    def __init__(self, handle: Any, what: str, transport: str = "grpc", retry_s: float = 60.0):
+        self.handle = handle
+        self.what = what  # "the target", "drafter 'code'": for messages
+        self.by_reference = transport == "actor"
+        self.retry_s = retry_s
+
+    def call(self, method: str, message: Any, session_id: str = "") -> Any:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                options: dict = {"method_name": method, "_by_reference": self.by_reference}
+                if session_id:
+                    options["session_id"] = session_id
+                return self.handle.options(**options).remote(message).result()
+            except Exception as exc:  # noqa: BLE001 - sorted below: domain error, lost replica, other
+                cause = unwrap(exc)
+                if isinstance(cause, SpecpoolError):
+                    raise cause from None
+                if not is_unavailable(exc):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise ModelUnavailable(
+                        f"{self.what} is unavailable ({type(cause).__name__}); gave up after {self.retry_s:.0f} s of retries"
+                    ) from None
+                time.sleep(delay)  # the controller is replacing the replica; the ring then moves the session
+                delay = min(1.0, delay * 2)
+
+
+class RemoteVerifier:
+    """The target deployment as a ``Verifier``."""
+
+    def __init__(self, caller: DeploymentCaller):
+        self.caller = caller
+
+    def verify(self, request: VerifyRequest) -> VerifyResult:
+        response = self.caller.call("Verify", convert.verify_request_to_proto(request), request.session_id)
+        return convert.verify_result_from_proto(response)
+
+    def release(self, session_id: str) -> bool:
+        return bool(self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id).released)
+
+
+class RemoteDrafter:
+    """One drafter deployment as a ``Drafter``."""
+
+    def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None):
+        self.name = name
+        self.caller = caller
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.cost = CostMeter()  # as seen by the router: wall time of a remote propose per token
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        started = time.perf_counter()
+        request = convert.propose_request_to_proto(session_id, context_ids, k, params)
+        proposal = convert.proposal_from_proto(self.caller.call("Propose", request, session_id))
+        self.cost.record(time.perf_counter() - started, len(proposal.tokens))
+        return proposal
+
+    def release(self, session_id: str) -> None:
+        self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id)

@@ -1,0 +1,347 @@
+"""Integration: served mode for real. Ray Serve on a local Ray cluster, the real default target and
+two drafters (n-gram and the `code` zoo drafter), Redis at 127.0.0.1:6379, gRPC on loopback; no
+mocks. One deployment is started for the whole module (about a minute on two cores) and shut down
+at the end; generations are short (24 tokens).
+
+Every served answer is compared with the embedded engine's for the same prompt, policy, pool, k
+and seed (greedy: the target's own tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import redis
+
+from router.errors import DeadlineExceeded, InvalidArgument, NotFound
+from services.client import SpecPoolClient
+from services.gen.specpool.v1 import specpool_pb2, specpool_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+URL = "redis://127.0.0.1:6379/0"
+POOL = ["ngram", "code"]
+MAX_NEW = 24
+K = 5
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize in one sentence: The cat sat on the mat because the mat was warm and the sun was out.",
+    "Translate to French: Where is the train station?",
+    "What is 12 times 7? Explain briefly.",
+]
+LONG = 400  # tokens a request would take tens of seconds for: deadlines and cancels cut it short
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def raw_redis():
+    client = redis.Redis.from_url(URL, decode_responses=True)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        pytest.skip(f"no Redis at {URL} ({exc}); start redis-server to run these tests")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def served(raw_redis):
+    from services.local_serve import start_local
+    from services.serve_config import default_serve_config, plan_from_config
+
+    namespace = f"specpool-it-{uuid.uuid4().hex[:8]}"
+    port, metrics_port = _free_port(), _free_port()
+    config = default_serve_config(POOL, URL, port, k=K)
+    router = next(a for a in config["applications"] if a["name"] == "router")
+    router["args"]["redis_namespace"] = namespace
+    local = start_local(plan_from_config(config, "the test config"), metrics_port=metrics_port,
+                        progress=lambda m: print(f"[served] {m}", flush=True))
+    from ray import serve
+
+    handles = SimpleNamespace(
+        router=serve.get_deployment_handle("Router", app_name="router"),
+        target=serve.get_deployment_handle("Target", app_name="target"),
+        drafters={name: serve.get_deployment_handle("Drafter", app_name=f"drafter-{name}") for name in POOL},
+    )
+    yield SimpleNamespace(local=local, address=local.address, namespace=namespace, handles=handles,
+                          metrics_url=local.metrics_url)
+    local.shutdown()
+    keys = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        raw_redis.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with SpecPoolClient(served.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from services.config import settings_from_env
+    from services.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine.default(settings_from_env().home)
+    for name in POOL:
+        engine.drafter(name)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The embedded engine's greedy answer to a prompt (cached)."""
+    from target.sampling import SamplingParams
+
+    cache: dict[str, list[int]] = {}
+
+    def answer(prompt: str, max_new_tokens: int = MAX_NEW) -> list[int]:
+        if (prompt, max_new_tokens) not in cache:
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
+            result = engine.generate(engine.encode_prompt(prompt), params, k=K, session_id=uuid.uuid4().hex,
+                                     policy="metasd-ucb", pool=POOL)
+            cache[(prompt, max_new_tokens)] = result.token_ids
+        return cache[(prompt, max_new_tokens)]
+
+    return answer
+
+
+def _call(handle, method: str, *args):
+    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
+
+
+def _holders(served, session: str) -> list[str]:
+    """Which servers still hold something for ``session``."""
+    held = []
+    if session in _call(served.handles.target, "Sessions"):
+        held.append("target")
+    for name, handle in served.handles.drafters.items():
+        if session in _call(handle, "Sessions"):
+            held.append(f"drafter {name}")
+    return held
+
+
+# -- correctness -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_unary_and_stream_equal_the_embedded_engine(client, reference, engine, prompt):
+    expected = reference(prompt)
+    answer = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex)
+    assert answer.token_ids == expected
+    assert answer.text == engine.tokenizer.decode(expected, skip_special_tokens=True)
+    assert answer.finish_reason in ("length", "stop") and answer.stats.new_tokens == len(expected)
+    assert sum(answer.stats.rounds_by_drafter.values()) == answer.stats.rounds > 0
+    chunks = list(client.generate_stream(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex))
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == answer.text
+    assert chunks[-1].finish_reason == answer.finish_reason and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stream_delivers_tokens_incrementally_and_in_order(client, reference):
+    expected = reference(PROMPTS[0])
+    started = time.perf_counter()
+    arrivals = []
+    for chunk in client.generate_stream(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex):
+        arrivals.append((time.perf_counter() - started, chunk.token_ids))
+    token_messages = [(t, ids) for t, ids in arrivals if ids]
+    assert len(token_messages) >= 3, "a stream of one message is not incremental"
+    assert [t for _, ids in token_messages for t in ids] == expected  # in order
+    times = [t for t, _ in arrivals]
+    assert times == sorted(times)
+    first, last = token_messages[0][0], arrivals[-1][0]
+    # The first round's tokens arrive well before the answer is complete.
+    assert first < 0.75 * last, arrivals
+
+
+def test_four_concurrent_sessions_are_each_correct(served, client, reference):
+    expected = {p: reference(p) for p in PROMPTS}
+    before = _call(served.handles.target, "Stats")["batch_sizes"]
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(prompt: str) -> None:
+        try:
+            results[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex).token_ids
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for prompt in PROMPTS:
+        assert results[prompt] == expected[prompt], prompt
+    after = _call(served.handles.target, "Stats")["batch_sizes"]
+    batched = sum(count - before.get(size, 0) for size, count in after.items() if size > 1)
+    assert batched > 0, f"no verify batch of more than one session: {after}"
+
+
+def test_session_state_is_in_redis_under_the_tenant(served, client, raw_redis):
+    tenant, session = f"acme-{uuid.uuid4().hex[:6]}", "chat-1"
+    answer = client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)
+    assert answer.session_id == session
+    state = json.loads(raw_redis.get(f"{served.namespace}:{{{tenant}}}:session:{session}"))
+    assert state["t"] >= 1 and set(state["arms"]) == set(POOL)
+    arms = raw_redis.hgetall(f"{served.namespace}:{{{tenant}}}:arms")
+    assert any(field.startswith("n:") for field in arms), arms
+    assert raw_redis.pttl(f"{served.namespace}:{{{tenant}}}:session:{session}") > 0  # expires
+
+
+def test_a_new_session_id_is_chosen_when_none_is_given(client):
+    answer = client.generate(PROMPTS[3], max_new_tokens=4)
+    assert len(answer.session_id) >= 16
+
+
+# -- errors, deadlines, cancellation ---------------------------------------------------------------------------
+@pytest.mark.parametrize("request_kwargs,code,fragment", [
+    (dict(prompt="   "), grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty"),
+    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
+    (dict(prompt="hi", k=40), grpc.StatusCode.INVALID_ARGUMENT, "k (draft length) must be in 1..32"),
+    (dict(prompt="hi", tenant="bad tenant"), grpc.StatusCode.INVALID_ARGUMENT, "invalid tenant id"),
+    (dict(prompt="hi", session_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "invalid session id"),
+    (dict(prompt="hi", max_new_tokens=100_000), grpc.StatusCode.INVALID_ARGUMENT, "does not fit"),
+    (dict(prompt="hi", policy="nope"), grpc.StatusCode.NOT_FOUND, "unknown policy 'nope'"),
+    (dict(prompt="hi", policy="fixed:math"), grpc.StatusCode.NOT_FOUND, "not served here"),
+])
+def test_bad_input_gets_a_status_code_and_a_clear_message(served, request_kwargs, code, fragment):
+    with grpc.insecure_channel(served.address) as channel:
+        stub = specpool_pb2_grpc.SpecPoolStub(channel)
+        request = specpool_pb2.GenerateRequest(**request_kwargs)
+        for call in (lambda: stub.Generate(request, timeout=30), lambda: list(stub.GenerateStream(request, timeout=30))):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == code, info.value.details()
+            details = info.value.details()
+            assert fragment in details and "Traceback" not in details and "\n" not in details, details
+
+
+def test_client_raises_domain_errors(client):
+    with pytest.raises(InvalidArgument, match="the prompt is empty"):
+        client.generate("  ")
+    with pytest.raises(NotFound):
+        client.generate("hi", policy="nope")
+
+
+def test_an_exceeded_deadline_stops_the_sessions_work(served, client):
+    session = f"late-{uuid.uuid4().hex[:8]}"
+    started = time.perf_counter()
+    with pytest.raises(DeadlineExceeded):
+        client.generate(PROMPTS[0], max_new_tokens=LONG, session_id=session, timeout=2.0)
+    assert time.perf_counter() - started < 10
+    _wait(lambda: not _call(served.handles.router, "Active"), 15, "the router to stop the request")
+    _wait(lambda: not _holders(served, session), 15, "the session's caches to be released")
+    # ... and nothing keeps verifying for it.
+    batches = sum(_call(served.handles.target, "Stats")["batch_sizes"].values())
+    time.sleep(1.0)
+    assert sum(_call(served.handles.target, "Stats")["batch_sizes"].values()) == batches
+
+
+def test_a_client_cancel_frees_the_sessions_resources(served, client):
+    session = f"gone-{uuid.uuid4().hex[:8]}"
+    stream = client.generate_stream(PROMPTS[1], max_new_tokens=LONG, session_id=session)
+    got = 0
+    for chunk in stream:
+        got += len(chunk.token_ids)
+        if got >= 6:
+            break
+    assert "target" in _holders(served, session)  # it really held a cache ...
+    stream.close()  # ... until the client cancels
+    _wait(lambda: not _call(served.handles.router, "Active"), 15, "the router to stop the request")
+    _wait(lambda: not _holders(served, session), 15, "the session's caches to be released")
+
+
+# -- protocol extras ----------------------------------------------------------------------------------------
+def test_health_checking_and_reflection(served, client):
+    assert client.health() == "SERVING"
+    assert client.health("") == "SERVING"
+    with pytest.raises(NotFound):
+        client.health("no.such.Service")
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(served.address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"specpool.v1.SpecPool", "grpc.health.v1.Health"} <= services, services
+
+
+def test_metrics_endpoint_has_counters_per_drafter_and_tenant(served, client):
+    tenant = f"metrics-{uuid.uuid4().hex[:6]}"
+    client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, tenant=tenant)
+
+    def scrape():
+        text = urllib.request.urlopen(served.metrics_url, timeout=5).read().decode()
+        lines = [line for line in text.splitlines() if f'tenant="{tenant}"' in line]
+        return lines if any("specpool_rounds" in l for l in lines) and any("specpool_requests" in l for l in lines) else None
+
+    lines = _wait(scrape, 60, f"specpool metrics of tenant {tenant} at {served.metrics_url}", interval=2)
+    names = {line.split("{")[0] for line in lines}
+    for metric in ("specpool_rounds", "specpool_draft_tokens", "specpool_accepted_tokens", "specpool_requests",
+                   "specpool_block_divergence", "specpool_accepted_length", "specpool_round_seconds"):
+        assert any(metric in name for name in names), (metric, sorted(names))
+    assert any('part="verify"' in line for line in lines) and any('status="OK"' in line for line in lines)
+
+
+def test_cli_client_generate(served, reference):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "client", "generate", PROMPTS[0], "--address", served.address,
+         "--max-new-tokens", str(MAX_NEW), "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["token_ids"] == reference(PROMPTS[0])
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats", "session_id"}
+
+
+# -- failover (last: it replaces the router) ------------------------------------------------------------------
+def test_a_session_continues_after_its_router_replica_is_replaced(served, client, reference, raw_redis):
+    import ray
+
+    tenant, session = f"fail-{uuid.uuid4().hex[:6]}", "s-1"
+    key = f"{served.namespace}:{{{tenant}}}:session:{session}"
+    first = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)
+    assert first.token_ids == reference(PROMPTS[0])
+    t1 = json.loads(raw_redis.get(key))["t"]
+    old = _call(served.handles.router, "Replica")
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+
+    def replaced():
+        try:
+            now = _call(served.handles.router, "Replica")
+        except Exception:  # noqa: BLE001 - the old replica is gone and the new one not up yet
+            return None
+        return now if now["replica_id"] != old["replica_id"] else None
+
+    _wait(replaced, 180, "Serve to replace the router replica", interval=1)
+    second = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)
+    assert second.token_ids == reference(PROMPTS[1])
+    t2 = json.loads(raw_redis.get(key))["t"]
+    # The new replica continued the session's bandit state from Redis: the round counter went on
+    # from t1 (a fresh state would restart near 0). The last round may draft nothing (k capped to 0).
+    assert t1 + second.stats.rounds - 1 <= t2 <= t1 + second.stats.rounds, (t1, t2, second.stats.rounds)

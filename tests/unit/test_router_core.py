@@ -1,0 +1,196 @@
+"""The served router's per-request core (services/router_core.py) over in-process tiny models:
+the same output as the embedded engine, streaming chunks that add up, stop strings, one request
+per session, and cancellation that stops the loop and frees the session's caches everywhere."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from drafters.hf_model import HFModelDrafter
+from drafters.ngram import NGramDrafter
+from router.errors import Cancelled, InvalidArgument, NotFound, SessionBusy
+from router.session_store import InMemorySessionStore, SessionKey
+from services.api import GenerationSpec
+from services.metrics import PrometheusMetrics
+from services.router_core import Detokenizer, ModelInfo, RouterCore, RouterSettings
+from target.sampling import SamplingParams
+from target.verifier import TargetVerifier
+
+PROMPT = "the cat sat on the mat and the dog sat on the mat"
+
+
+class Recording:
+    """A drafter that records release calls (and passes everything else through)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.tokenizer_fingerprint = inner.tokenizer_fingerprint
+        self.cost = inner.cost
+        self.released: list[str] = []
+        self.sessions: set[str] = set()
+
+    def propose(self, session_id, context_ids, k, params):
+        self.sessions.add(session_id)
+        return self.inner.propose(session_id, context_ids, k, params)
+
+    def release(self, session_id):
+        self.released.append(session_id)
+        self.inner.release(session_id)
+
+
+@pytest.fixture
+def parts(target_lm, noisy_lm):
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    drafters = {"ngram": Recording(NGramDrafter()), "noisy": Recording(HFModelDrafter("noisy", *noisy_lm))}
+    info = ModelInfo("tiny", (tokenizer.eos_token_id,), verifier.context_window, verifier.tokenizer_fingerprint)
+    metrics = PrometheusMetrics()
+    core = RouterCore(tokenizer, info, drafters, verifier, InMemorySessionStore(), RouterSettings(k=4, max_new_tokens=24), metrics)
+    return core, verifier, drafters, metrics
+
+
+def spec(**kw) -> GenerationSpec:
+    base = dict(input_kind="prompt", text=PROMPT, max_new_tokens=20)
+    base.update(kw)
+    return GenerationSpec(**base)
+
+
+def test_same_tokens_as_the_embedded_engine(parts, engine, model_dirs):
+    core, *_ = parts
+    prepared = core.prepare(spec(session_id="s1", tenant="acme"))
+    outcome = core.run(prepared)
+    ids = engine.encode_prompt(PROMPT)
+    assert prepared.prompt_ids == ids
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=engine.stop_token_ids())
+    reference = engine.generate(ids, params, k=4, policy="metasd-ucb", pool=["ngram", f"hf:{model_dirs.noisy}"])
+    assert outcome.token_ids == reference.token_ids
+    assert outcome.text == engine.tokenizer.decode(reference.token_ids, skip_special_tokens=True)
+    assert outcome.finish_reason == reference.finish_reason
+    assert outcome.stats.new_tokens == len(outcome.token_ids)
+    assert outcome.stats.rounds == sum(outcome.stats.rounds_by_drafter.values()) > 0
+    assert outcome.stats.accepted_tokens <= outcome.stats.draft_tokens
+
+
+def test_stream_chunks_add_up_to_the_answer(parts):
+    core, *_ = parts
+    chunks = []
+    outcome = core.run(core.prepare(spec(session_id="s2")), on_chunk=chunks.append)
+    assert [t for c in chunks for t in c.token_ids] == outcome.token_ids
+    assert "".join(c.text for c in chunks) + outcome.tail_text == outcome.text
+    assert len(chunks) == outcome.stats.rounds  # one chunk per round
+
+
+def test_a_normal_finish_keeps_the_caches_for_the_next_request(parts):
+    core, verifier, drafters, _ = parts
+    core.run(core.prepare(spec(session_id="keep")))
+    assert "keep" in verifier.caches._caches
+    assert not any(d.released for d in drafters.values())
+
+
+def test_stop_string_ends_the_text_right_after_it(parts):
+    core, *_ = parts
+    full = core.run(core.prepare(spec(session_id="s3", max_new_tokens=24)))
+    words = full.text.split()
+    assert len(words) >= 6, full.text
+    stop = " ".join(words[3:5])
+    cut = core.run(core.prepare(spec(session_id="s4", max_new_tokens=24, stop=(stop,))))
+    assert cut.finish_reason == "stop"
+    assert stop in cut.text and cut.text.endswith(stop), (cut.text, stop)
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert cut.stats.new_tokens == len(cut.token_ids) < len(full.token_ids)
+
+
+def test_cancel_stops_the_loop_and_releases_every_cache(parts):
+    core, verifier, drafters, metrics = parts
+    stop = threading.Event()
+    chunks = []
+
+    def on_chunk(chunk):
+        chunks.append(chunk)
+        stop.set()  # the caller goes away after the first round
+
+    with pytest.raises(Cancelled, match="cancelled"):
+        core.run(core.prepare(spec(session_id="gone", tenant="acme", policy="fixed:noisy")), on_chunk, stop.is_set)
+    assert len(chunks) == 1  # no round after the cancel
+    assert "gone" not in verifier.caches._caches
+    assert drafters["noisy"].released == ["gone"]
+    assert core.active_sessions() == []
+    assert metrics.registry.get_sample_value("specpool_requests_total", {"tenant": "acme", "status": "CANCELLED"}) == 1
+
+
+def test_one_request_per_session(parts):
+    core, *_ = parts
+    prepared = core.prepare(spec(session_id="busy"))
+    second = core.prepare(spec(session_id="busy"))
+    errors = []
+
+    def on_chunk(chunk):
+        if not errors:
+            try:
+                core.run(second)
+            except SessionBusy as exc:
+                errors.append(exc)
+
+    core.run(prepared, on_chunk)
+    assert errors and errors[0].code == "ABORTED" and "one request at a time" in str(errors[0])
+    core.run(second)  # free again afterwards
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(session_id="bad id!"), InvalidArgument, "invalid session id"),
+    (dict(tenant="a:b"), InvalidArgument, "invalid tenant id"),
+    (dict(k=40), InvalidArgument, "k (draft length)"),
+    (dict(policy="nope"), NotFound, "unknown policy"),
+    (dict(policy="fixed:code"), NotFound, "not served here"),
+    (dict(max_new_tokens=10_000), InvalidArgument, "does not fit"),
+    (dict(temperature=-1.0), InvalidArgument, "temperature"),
+])
+def test_prepare_rejects_bad_requests(parts, kw, error, message):
+    core, *_ = parts
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        core.prepare(spec(**kw))
+
+
+def test_chat_and_raw_inputs(parts, target_lm):
+    core, *_ = parts
+    tokenizer = target_lm[1]
+    raw = core.prepare(spec(input_kind="raw", text="the cat"))
+    assert raw.prompt_ids == tokenizer.encode("the cat", add_special_tokens=True)
+    chat = core.prepare(GenerationSpec(input_kind="chat", messages=(("user", "the cat"), ("assistant", "sat")), max_new_tokens=4))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}], add_generation_prompt=True, tokenize=True)
+    assert chat.prompt_ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+
+
+def test_metrics_count_rounds_and_tokens_per_drafter(parts):
+    core, _, _, metrics = parts
+    outcome = core.run(core.prepare(spec(session_id="m1", tenant="t1", policy="fixed:ngram")))
+    value = metrics.registry.get_sample_value
+    rounds = value("specpool_rounds_total", {"tenant": "t1", "drafter": "ngram"}) or 0
+    rounds_none = value("specpool_rounds_total", {"tenant": "t1", "drafter": "none"}) or 0
+    assert rounds + rounds_none == outcome.stats.rounds
+    emitted = sum(value("specpool_emitted_tokens_total", {"tenant": "t1", "drafter": d}) or 0 for d in ("ngram", "none"))
+    assert emitted == outcome.stats.new_tokens
+    assert value("specpool_requests_total", {"tenant": "t1", "status": "OK"}) == 1
+    assert value("specpool_round_seconds_count", {"tenant": "t1", "drafter": "ngram", "part": "verify"}) == rounds
+
+
+class _Decode:
+    """A decoder whose characters are the ids' letters; id 9 is half of a two-byte character."""
+
+    def __call__(self, ids):
+        text = "".join("abcdefgh"[i] if i < 8 else "" for i in ids)
+        return text + ("\ufffd" if ids and ids[-1] == 9 else "")
+
+
+def test_detokenizer_holds_back_incomplete_text_and_stops():
+    d = Detokenizer(_Decode(), stop=("cd",))
+    assert d.add([0, 1]).text == "ab"
+    assert d.add([9]).text == ""  # incomplete: held back
+    chunk = d.add([2, 3, 4])  # "cd" completes at id 3: id 4 is not taken
+    assert chunk.token_ids == [2, 3] and d.hit
+    assert d.add([5]).token_ids == []
+    assert d.token_ids == [0, 1, 9, 2, 3]

@@ -1,0 +1,357 @@
+"""Served mode, the pure parts: builder args, the status mapping, proto <-> dataclass conversion,
+benchmark aggregation, and the CLI paths that fail before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cli_helpers import assert_one_line_error
+from drafters.base import Proposal
+from router.errors import (Cancelled, DeadlineExceeded, IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound,
+                           SessionBusy, SpecpoolError, StoreUnavailable)
+from services import api, convert, serve_config
+from services.gen.specpool.v1 import common_pb2, specpool_pb2
+from services.serve_config import DrafterArgs, RouterArgs, TargetArgs, default_serve_config, load_serve_config, plan_from_config
+from services.status import grpc_status, is_unavailable, unwrap
+from target.rejection import SparseDist
+from target.sampling import SamplingParams
+from target.verifier import VerifyRequest, VerifyResult
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- builder args ---------------------------------------------------------------------------------------------
+def test_defaults_agree_with_the_rest_of_the_code():
+    from target.models import DEFAULT_TARGET
+    from target.sampling import MAX_DRAFT_LENGTH
+
+    assert serve_config.DEFAULT_TARGET == DEFAULT_TARGET
+    assert serve_config.MAX_K == api.MAX_DRAFT_LENGTH == MAX_DRAFT_LENGTH
+
+
+def test_router_args_parse_and_keep_the_pool_order():
+    args = RouterArgs.parse({"redis_url": "redis://r:6379/0", "policy": "thompson", "k": 3,
+                             "drafter_apps": {"ngram": "drafter-ngram", "code": "drafter-code"}, "num_replicas": 2,
+                             "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}})
+    assert args.pool == ["ngram", "code"] and args.k == 3 and args.num_replicas == 2 and args.transport == "grpc"
+
+
+@pytest.mark.parametrize("args,message", [
+    ({}, "drafter_apps is required"),
+    ({"drafter_apps": {}}, "non-empty mapping"),
+    ({"drafter_apps": {"ngram": "a", "code": "a"}}, "one application for two drafters"),
+    ({"drafter_apps": {"ngram": "a"}, "polcy": "x"}, "unknown key 'polcy'"),
+    ({"drafter_apps": {"ngram": "a"}, "k": 0}, "k must be in 1..32"),
+    ({"drafter_apps": {"ngram": "a"}, "k": True}, "k must be an integer"),
+    ({"drafter_apps": {"ngram": "a"}, "num_replicas": 0}, "num_replicas must be >= 1"),
+    ({"drafter_apps": {"ngram": "a"}, "redis_url": "http://x"}, "redis_url must be"),
+    ({"drafter_apps": {"ngram": "a"}, "policy": "nope"}, "unknown policy"),
+    ({"drafter_apps": {"ngram": "a"}, "policy": "fixed:code"}, "does not serve"),
+    ({"drafter_apps": {"ngram": "a"}, "ray_actor_options": {"num_cpus": -1}}, "num_cpus must be >= 0"),
+    ({"drafter_apps": {"ngram": "a"}, "transport": "udp"}, "transport must be grpc or actor"),
+    ("not a mapping", "args must be a mapping"),
+])
+def test_router_args_errors(args, message):
+    with pytest.raises(SpecpoolError, match=message):
+        RouterArgs.parse(args)
+
+
+def test_target_args():
+    args = TargetArgs.parse({"model": "m", "max_batch_size": 4, "ray_actor_options": {"num_cpus": 3, "num_gpus": 0}})
+    assert args.threads == 3 and args.ongoing == 32 and args.dtype == "auto"
+    assert TargetArgs.parse({"ray_actor_options": {"num_cpus": 0.5}}).threads == 1
+    assert TargetArgs.parse({"device": "cuda", "ray_actor_options": {"num_gpus": 1}}).device == "cuda"
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"device": "cuda", "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}, "needs a GPU"),
+    ({"device": "tpu"}, "unknown device"),
+    ({"dtype": "int8"}, "unknown dtype"),
+    ({"max_batch_size": 0}, "max_batch_size must be in 1..256"),
+    ({"batch_wait_timeout_s": -1}, "batch_wait_timeout_s must be >= 0"),
+    ({"max_batch_size": 16, "max_ongoing_requests": 8}, "must be >= max_batch_size"),
+    ({"cache_capacity": 0}, "cache_capacity must be >= 1"),
+    ({"modle": "x"}, "unknown key 'modle'"),
+])
+def test_target_args_errors(args, message):
+    with pytest.raises(InvalidArgument, match=message):
+        TargetArgs.parse(args)
+
+
+def test_drafter_args():
+    assert DrafterArgs.parse({"name": "ngram"}).threads == 1
+    with pytest.raises(InvalidArgument, match="name is required"):
+        DrafterArgs.parse({})
+    with pytest.raises(NotFound, match="unknown drafter 'bogus'"):
+        DrafterArgs.parse({"name": "bogus"})
+
+
+def test_the_kubernetes_serve_config_is_a_valid_plan():
+    config = load_serve_config(REPO / "k8s" / "rayservice.yaml")  # a RayService: its serveConfigV2
+    plan = plan_from_config(config, "k8s/rayservice.yaml")
+    assert plan.apps[-1].name == "router"  # deployed last
+    assert plan.grpc_port == 9000
+    assert set(RouterArgs.parse(plan.router.args).pool) == {"ngram", "code", "math", "translation", "summarization_qa", "chat", "general"}
+
+
+def test_the_default_config_serves_the_pool():
+    config = default_serve_config(["ngram", "code"], cores=2)
+    plan = plan_from_config(config)
+    assert [a.name for a in plan.apps] == ["target", "drafter-ngram", "drafter-code", "router"]
+    assert plan.grpc_port == 50051 and serve_config.GRPC_SERVICER_FUNCTIONS[0] in plan.grpc_servicer_functions
+    assert plan.cpus_wanted() == 1 + 2 + 0.5 + 1
+    ray_schema = pytest.importorskip("ray.serve.schema")
+    ray_schema.ServeDeploySchema.model_validate(config)  # Serve itself accepts it
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda c: c["applications"].pop(0), "exactly one router"),
+    (lambda c: c["applications"][1].update(route_prefix="/t"), "only the router may have a route_prefix"),
+    (lambda c: c["applications"][2]["args"].update(name="code"), "serves drafter 'code'"),
+    (lambda c: c["applications"][0]["args"].update(target_app="nothere"), "target_app 'nothere'"),
+    (lambda c: c["applications"][1].update(import_path="x.y:z"), "import_path must be one of"),
+    (lambda c: c["grpc_options"].update(grpc_servicer_functions=["a.b:c"]), "must include"),
+])
+def test_plan_errors(mutate, message):
+    config = default_serve_config(["ngram"], cores=1)
+    mutate(config)
+    with pytest.raises(SpecpoolError, match=message):
+        plan_from_config(config)
+
+
+def test_load_serve_config_errors(tmp_path):
+    with pytest.raises(NotFound):
+        load_serve_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: [\n")
+    with pytest.raises(InvalidArgument, match="not valid YAML"):
+        load_serve_config(bad)
+
+
+def test_builders_validate_their_args():
+    serve_app = pytest.importorskip("services.serve_app")
+    with pytest.raises(InvalidArgument, match="drafter_apps is required"):
+        serve_app.build_router_app({})
+    with pytest.raises(InvalidArgument, match="unknown dtype"):
+        serve_app.build_target_app({"dtype": "int3"})
+    with pytest.raises(NotFound):
+        serve_app.build_drafter_app({"name": "bogus"})
+    app = serve_app.build_target_app({"max_batch_size": 4})
+    assert type(app).__name__ == "Application"
+
+
+# -- status mapping --------------------------------------------------------------------------------------------
+class RayTaskError(Exception):  # named like Ray's wrapper: the mapping looks at names, not imports
+    def __init__(self, cause):
+        super().__init__(f"Traceback (most recent call last):\n  File x\n{cause!r}")
+        self.cause = cause
+
+
+class ActorDiedError(Exception):
+    pass
+
+
+class BackPressureError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc,code", [
+    (InvalidArgument("bad k"), grpc.StatusCode.INVALID_ARGUMENT),
+    (IncompatibleModels("tokenizers differ"), grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound("no such drafter"), grpc.StatusCode.NOT_FOUND),
+    (ModelUnavailable("down"), grpc.StatusCode.UNAVAILABLE),
+    (StoreUnavailable("redis down"), grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Cancelled("gone"), grpc.StatusCode.CANCELLED),
+    (SessionBusy("busy"), grpc.StatusCode.ABORTED),
+    (SpecpoolError("plain"), grpc.StatusCode.INTERNAL),
+    (RayTaskError(NotFound("wrapped")), grpc.StatusCode.NOT_FOUND),
+    (ActorDiedError("x"), grpc.StatusCode.UNAVAILABLE),
+    (BackPressureError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ZeroDivisionError("division by zero"), grpc.StatusCode.INTERNAL),
+])
+def test_one_mapping_from_errors_to_status_codes(exc, code):
+    got, message = grpc_status(exc)
+    assert got == code
+    assert "\n" not in message and "Traceback" not in message and message
+
+
+def test_status_messages():
+    assert grpc_status(RayTaskError(InvalidArgument("k must be in 1..32")))[1] == "k must be in 1..32"
+    assert "ZeroDivisionError" in grpc_status(ZeroDivisionError("x"))[1]  # the type, not the trace
+    assert len(grpc_status(InvalidArgument("x" * 5000))[1]) <= 1000
+    assert unwrap(RayTaskError(RayTaskError(Cancelled("c")))).__class__ is Cancelled
+    assert is_unavailable(RayTaskError(ActorDiedError())) and not is_unavailable(RayTaskError(InvalidArgument("x")))
+
+
+# -- proto <-> dataclass ---------------------------------------------------------------------------------------
+def test_verify_round_trip():
+    q = [SparseDist(torch.tensor([5, 9]), torch.tensor([0.75, 0.25])), SparseDist.one_hot(3)]
+    request = VerifyRequest("s", [1, 2, 3], [5, 3], q, SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11), 4)
+    back = convert.verify_request_from_proto(convert.verify_request_to_proto(request))
+    assert (back.session_id, back.context_ids, back.draft_tokens, back.return_top_k) == ("s", [1, 2, 3], [5, 3], 4)
+    assert back.params == SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11)  # 0.7 stays 0.7 (float32 wire)
+    for a, b in zip(back.q, q):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.probs, b.probs.float())
+    result = VerifyResult(1, [5, 7], [0.1234567890123, 0.5], [SparseDist(torch.tensor([1]), torch.tensor([1.0]))] * 3, 0.02)
+    back = convert.verify_result_from_proto(convert.verify_result_to_proto(result))
+    assert back.tv == result.tv  # double on the wire: rewards equal the embedded engine's exactly
+    assert (back.accepted, back.tokens, len(back.target_top_k), back.forward_s) == (1, [5, 7], 3, 0.02)
+
+
+def test_verify_request_errors():
+    msg = convert.verify_request_to_proto(VerifyRequest("s", [1], [5], [SparseDist.one_hot(5)], SamplingParams()))
+    del msg.q[:]
+    with pytest.raises(InvalidArgument, match="one q per draft token"):
+        convert.verify_request_from_proto(msg)
+    msg = convert.verify_request_to_proto(VerifyRequest("", [1], [], [], SamplingParams()))
+    with pytest.raises(InvalidArgument, match="session_id is empty"):
+        convert.verify_request_from_proto(msg)
+
+
+def test_proposal_round_trip():
+    proposal = Proposal([4, 8], [SparseDist(torch.tensor([4, 2]), torch.tensor([0.5, 0.5])), SparseDist.one_hot(8)], 0.01)
+    back = convert.proposal_from_proto(convert.proposal_to_proto(proposal))
+    assert back.tokens == [4, 8] and back.forward_s == 0.01 and torch.equal(back.q[0].probs, proposal.q[0].probs)
+    args = convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1, 2], 5, SamplingParams(seed=3)))
+    assert (args.session_id, args.context_ids, args.k, args.params.seed, args.drafter) == ("s", [1, 2], 5, 3, "")
+    with pytest.raises(InvalidArgument, match="k \\(draft length\\)"):
+        convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1], 0, SamplingParams()))
+
+
+def test_generate_request_round_trip():
+    msg = api.request_to_proto("hi", max_new_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], policy="fixed:code",
+                               k=4, session_id="s1", tenant="acme")
+    spec = api.spec_from_proto(specpool_pb2.GenerateRequest.FromString(msg.SerializeToString()))
+    assert spec == api.GenerationSpec("prompt", "hi", (), 0.7, 0.9, 0, 3, 7, ("\n\n",), (), "fixed:code", 4, "s1", "acme")
+    chat = api.spec_from_proto(api.request_to_proto(chat=[("system", "be brief"), ("user", "hi")]))
+    assert chat.input_kind == "chat" and chat.messages == (("system", "be brief"), ("user", "hi"))
+    assert api.spec_from_proto(api.request_to_proto(raw_prompt="def f(")).input_kind == "raw"
+    assert api.spec_from_proto(api.request_to_proto("x")).top_p == 1.0  # unset top_p means 1
+
+
+@pytest.mark.parametrize("msg,message", [
+    (specpool_pb2.GenerateRequest(), "no input"),
+    (specpool_pb2.GenerateRequest(prompt="   "), "the prompt is empty"),
+    (specpool_pb2.GenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(top_p=0.0)), "top-p must be in"),
+    (specpool_pb2.GenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)), "temperature must be"),
+    (specpool_pb2.GenerateRequest(prompt="x", k=33), "k \\(draft length\\)"),
+    (specpool_pb2.GenerateRequest(prompt="x", stop=[""]), "stop strings"),
+    (specpool_pb2.GenerateRequest(chat=specpool_pb2.Chat()), "chat has no messages"),
+    (specpool_pb2.GenerateRequest(chat=specpool_pb2.Chat(messages=[common_pb2.ChatMessage(content="x")])), "no role"),
+])
+def test_generate_request_errors(msg, message):
+    with pytest.raises(InvalidArgument, match=message):
+        api.spec_from_proto(msg)
+
+
+def test_stats_and_finish_reasons():
+    stats = api.Stats(3, 10, 20, 10 / 3, {"ngram": 2, "code": 1}, 12, 7, 1.5, 0.2, 1.1)
+    assert api.stats_from_proto(api.stats_to_proto(stats)) == stats
+    for name in ("stop", "length", "cancelled"):
+        assert api.finish_reason_name(api.finish_reason_to_proto(name)) == name
+    assert api.finish_reason_name(0) == "unspecified"
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------
+def test_round_observations():
+    from router.loop import RoundRecord
+    from services.metrics import round_observations
+
+    record = RoundRecord("code", 4, 3, 2, 3, 0.8, 0.01, 0.1, 0.12)
+    obs = round_observations(record)
+    assert obs["counters"] == {"specpool_rounds": 1, "specpool_draft_tokens": 3, "specpool_accepted_tokens": 2,
+                               "specpool_emitted_tokens": 3}
+    assert obs["histograms"]["specpool_block_divergence"] == pytest.approx(0.8 * 3 / 4)  # over the k asked for
+    assert obs["seconds"]["router"] == pytest.approx(0.01)
+    plain = round_observations(RoundRecord(None, 0, 0, 0, 1, None, 0.0, 0.1, 0.1))
+    assert plain["drafter"] == "none" and "specpool_block_divergence" not in plain["histograms"]
+
+
+# -- benchmark aggregation -----------------------------------------------------------------------------------------
+def test_bench_served_aggregation():
+    from bench.served import StreamTiming, latency_summary, markdown_report, parse_levels, percentile, single_session_summary
+
+    assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile(list(range(101)), 99) == 99
+    timing = StreamTiming([(0.5, 2), (0.6, 0), (0.9, 4)], 0.9)
+    assert timing.ttft() == 0.5 and timing.tokens == 6
+    assert timing.inter_token() == pytest.approx([0.1] * 4)
+    lat = latency_summary([timing])
+    assert lat["ttft_p50_s"] == 0.5 and lat["itl_p99_s"] == pytest.approx(0.1)
+    records = [{"served_tokens": 10, "served_s": 2.0, "served_tps": 5.0, "embedded_tokens": 10, "embedded_s": 1.0,
+                "embedded_tps": 10.0, "identical": True}]
+    single = single_session_summary(records)
+    assert single["ratio_pooled"] == 0.5 and single["identical_outputs"] == 1
+    result = {"command": "specpool bench-served", "machine": {"cpu": "x", "cores": 2}, "single_session": single,
+              "config": {"target": "t", "pool": ["ngram"], "policy": "p", "k": 5, "max_new_tokens": 8, "prompts_file": "f",
+                         "limit_per_category": 1, "max_batch_size": 8},
+              "concurrency": [{"sessions": 1, "requests": 1, "tokens": 6, "wall_s": 1.0, "tokens_per_s": 6.0, "latency": lat,
+                               "batch_sizes": {"1": 3}}]}
+    text = markdown_report(result, "throughput.png")
+    assert "served / embedded = 0.500" in text and "| 1 | 1 | 6 |" in text
+    assert parse_levels("8,1,4,4") == [1, 4, 8]
+    with pytest.raises(InvalidArgument):
+        parse_levels("a,b")
+
+
+# -- the CLI, before anything starts -----------------------------------------------------------------------------
+def test_serve_fails_fast_on_unreachable_redis(cli):
+    code, out, err = cli("serve", "--pool", "ngram", "--redis-url", "redis://127.0.0.1:1/0", target=None)
+    assert_one_line_error(code, err, "cannot reach Redis at redis://127.0.0.1:1/0", "redis-server")
+
+
+def test_serve_print_config(cli):
+    code, out, err = cli("serve", "--pool", "ngram,code", "--port", "50999", "--print-config", target=None)
+    import yaml
+
+    assert code == 0, err
+    config = yaml.safe_load(out)
+    assert config["grpc_options"]["port"] == 50999
+    assert [a["name"] for a in config["applications"]] == ["router", "target", "drafter-ngram", "drafter-code"]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["serve", "--pool", "ngram,bogus"], "unknown drafter 'bogus'"),
+    (["serve", "--config", "/no/such/file.yaml"], "does not exist"),
+    (["serve", "--config", str(REPO / "k8s" / "rayservice.yaml"), "--pool", "ngram"], "--pool is for the default config"),
+    (["client", "generate", "  "], "the prompt is empty"),
+    (["client", "generate", "x", "--address", "nowhere"], "--address must be HOST:PORT"),
+    (["client", "generate", "x", "-k", "40"], "-k must be in 1..32"),
+])
+def test_served_commands_reject_bad_input(cli, args, fragment):
+    code, out, err = cli(*args, target=None)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_client_without_a_server_is_one_line_and_exit_1(cli):
+    code, out, err = cli("client", "generate", "hi", "--address", "127.0.0.1:1", "--timeout", "5", target=None)
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specpool: error: UNAVAILABLE: cannot reach the specpool server at 127.0.0.1:1")
+
+
+def test_client_errors_map_to_domain_classes():
+    from services.client import RemoteError, error_from_rpc
+
+    class Rpc(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    assert isinstance(error_from_rpc(Rpc(grpc.StatusCode.INVALID_ARGUMENT, "bad"), "a:1"), InvalidArgument)
+    assert isinstance(error_from_rpc(Rpc(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "a:1"), DeadlineExceeded)
+    other = error_from_rpc(Rpc(grpc.StatusCode.INTERNAL, "boom"), "a:1")
+    assert isinstance(other, RemoteError) and other.code == "INTERNAL" and str(other) == "boom"
+    assert json.dumps(api.Stats().as_dict())  # JSON-ready for --json
