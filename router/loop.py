@@ -44,6 +44,19 @@ class Choice:
     k: int | None = None  # draft length; None: the request's k
 
 
+@dataclass(frozen=True)
+class RoundFeedback:
+    """What a round that drafted something tells online learning (drafters/feedback.py turns it
+    into a bounded record). Only rounds with at least one draft token produce one."""
+
+    session_id: str
+    context_ids: list[int]  # everything before the first draft token
+    drafter: str
+    proposal: Proposal  # draft tokens and the q they were drawn from
+    result: VerifyResult  # accepted count; target_top_k when the request asked for it
+    record: RoundRecord
+
+
 class DrafterChooser(Protocol):
     """Picks the drafter for each round and learns from its outcome (policies in router/)."""
 
@@ -111,11 +124,17 @@ def speculative_generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    feedback: Callable[[RoundFeedback], None] | None = None,
+    return_top_k: int = 0,
 ) -> GenerationResult:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
 
     Draft length is capped by the tokens still wanted, so ``max_new_tokens`` is met exactly; a
     stop token inside an accepted run ends the request right after it.
+
+    ``feedback`` (online learning) is called after every round that drafted something;
+    ``return_top_k`` > 0 asks the target for its sparse top-K p at each position of such rounds
+    (the supervision online learning trains on). Neither changes the generated tokens.
     """
     started = time.perf_counter()
     generated: list[int] = []
@@ -136,7 +155,8 @@ def speculative_generate(
         if name is not None and k_round > 0:
             proposal = drafters[name].propose(session_id, context, k_round, params)
         drafted = time.perf_counter()
-        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params))
+        top_k = return_top_k if proposal.tokens else 0
+        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params, return_top_k=top_k))
         verified = time.perf_counter()
 
         emitted = result.tokens
@@ -165,6 +185,8 @@ def speculative_generate(
         chooser.update(record)
         if on_round is not None:
             on_round(record)
+        if feedback is not None and proposal.tokens and name is not None:
+            feedback(RoundFeedback(session_id, context, name, proposal, result, record))
         if finish_reason == "stop":
             break
     return GenerationResult(generated, finish_reason, rounds, time.perf_counter() - started)

@@ -1,0 +1,292 @@
+"""Online learning benchmark: drafters that learn from verification feedback on a stream of
+prompts from a domain they were not trained on (issue 6).
+
+    python -m bench.online --corpus ../shared/data/prose/gutenberg --drafter chat --limit 150
+
+Prompts are passages of the corpus (plain-text files; Project Gutenberg headers skipped), taken
+in order, round-robin over the files; each asks the target to continue the passage. Every system
+answers every prompt, in one process, the order rotating from prompt to prompt (A B C D, B C D A, ...):
+
+    frozen       the shipped drafter, never updated
+    ogd          online gradient descent on the distillation loss (drafters/online.py)
+    optimistic   optimistic OGD (hint = previous gradient)
+    hedge        a Hedge-weighted ensemble of learning rates, mixed in output space
+
+Each learning system has its own feedback stream, learner and model store (services/learner.py).
+By default the learner runs *between* requests (``commit_now`` after each prompt: that prompt's
+feedback is applied and a version promoted, so the next prompt drafts with it) and its CPU time
+is reported separately (``learner_s``): tokens/s is serving time only, as with a learner in a
+separate process on other cores. ``--concurrent`` lets the learner threads train while requests
+run instead (all on the same cores).
+
+Writes results.json (rows: system, segment = first_third | last_third | all, mean_accepted_length,
+tokens_per_s, n_prompts), per_prompt.jsonl, report.md and learning_curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from router.errors import check
+
+SYSTEMS = ("frozen", "ogd", "optimistic", "hedge")
+SEGMENTS = ("first_third", "last_third", "all")
+
+
+# --- prompts (no models) ------------------------------------------------------------------------
+
+
+def _body(text: str) -> str:
+    """A Project Gutenberg file without its licence header and footer (other text unchanged)."""
+    start = re.search(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG[^\n]*\n", text)
+    end = re.search(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG", text)
+    return text[start.end() if start else 0: end.start() if end else len(text)]
+
+
+def passages(path: Path, min_words: int = 40, max_words: int = 90) -> list[str]:
+    """Paragraphs of ``min_words``+ words (cut to ``max_words``) of a text file, in order."""
+    text = _body(path.read_text(encoding="utf-8", errors="replace"))
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        words = block.split()
+        if len(words) >= min_words and not block.strip().isupper():
+            out.append(" ".join(words[:max_words]))
+    return out
+
+
+def stream_prompts(corpus: Path, limit: int) -> list[str]:
+    """``limit`` prompts from the corpus files (a file or folder), round-robin over the files."""
+    check(corpus.exists(), f"corpus {corpus} does not exist")
+    files = sorted(p for p in corpus.rglob("*") if p.is_file() and p.suffix in (".txt", "")) if corpus.is_dir() else [corpus]
+    files = [f for f in files if not f.name.upper().startswith(("LICENSE", "README"))]
+    per_file = [passages(f) for f in files]
+    check(any(per_file), f"no passages of 40+ words in {corpus}")
+    prompts: list[str] = []
+    index = 0
+    while len(prompts) < limit and any(index < len(p) for p in per_file):
+        for p in per_file:
+            if index < len(p) and len(prompts) < limit:
+                prompts.append(f"Continue this passage from a novel, in the same style:\n\n{p[index]}")
+        index += 1
+    return prompts
+
+
+def segment_of(index: int, n: int) -> str | None:
+    third = n // 3
+    if index < third:
+        return "first_third"
+    if index >= n - third:
+        return "last_third"
+    return None
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """results.json rows: pooled tokens / rounds and tokens / serving seconds per system and segment."""
+    n = 1 + max((r["prompt_index"] for r in records), default=-1)
+    rows = []
+    for system in dict.fromkeys(r["system"] for r in records):
+        for segment in SEGMENTS:
+            group = [r for r in records if r["system"] == system and (segment == "all" or segment_of(r["prompt_index"], n) == segment)]
+            if not group:
+                continue
+            tokens = sum(r["new_tokens"] for r in group)
+            rows.append({
+                "system": system, "segment": segment,
+                "mean_accepted_length": tokens / max(sum(r["rounds"] for r in group), 1),
+                "tokens_per_s": tokens / max(sum(r["wall_s"] for r in group), 1e-9),
+                "n_prompts": len(group),
+                "learner_s": round(sum(r.get("learner_s", 0.0) for r in group), 3),
+            })
+    return rows
+
+
+def render(rows: list[dict], header: dict, plot: str | None) -> str:
+    frozen = {r["segment"]: r for r in rows if r["system"] == "frozen"}
+    lines = ["# Online learning benchmark", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items()]
+    lines += ["", "| system | segment | prompts | mean accepted length | vs frozen | tokens/s | vs frozen | learner s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = frozen.get(r["segment"])
+        gain = lambda key: f"{r[key] / base[key] - 1:+.1%}" if base and base[key] else "-"  # noqa: E731
+        lines.append(f"| {r['system']} | {r['segment']} | {r['n_prompts']} | {r['mean_accepted_length']:.3f} | "
+                     f"{gain('mean_accepted_length')} | {r['tokens_per_s']:.2f} | {gain('tokens_per_s')} | {r['learner_s']:.1f} |")
+    if plot:
+        lines += ["", f"![learning curves]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(records: list[dict], path: Path, window: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for system in dict.fromkeys(r["system"] for r in records):
+        rows = sorted((r for r in records if r["system"] == system), key=lambda r: r["prompt_index"])
+        for ax, key in zip(axes, ("mean_accepted_length", "tokens_per_s")):
+            values = [r[key] for r in rows]
+            smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+                      for i in range(len(values))]
+            ax.plot([r["prompt_index"] for r in rows], smooth, label=system)
+    for ax, title in zip(axes, ("mean accepted length", "tokens/s (serving)")):
+        ax.set_xlabel("prompt index")
+        ax.set_title(f"{title}, moving average of {window}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def add_online_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--corpus", default="../shared/data/prose/gutenberg", help="text file or folder of the stream's domain")
+    parser.add_argument("--limit", type=int, default=150, help="prompts in the stream (default 150)")
+    parser.add_argument("--drafter", default="chat", help="the zoo drafter every system starts from (default chat)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
+    parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    parser.add_argument("--lr", type=float, default=0.05, help="OGD / optimistic OGD step size (default 0.05)")
+    parser.add_argument("--hedge-lrs", default="0.01,0.05,0.2", help="the Hedge members' step sizes")
+    parser.add_argument("--precondition", choices=("none", "adagrad"), default="none", help="per-coordinate steps (adagrad)")
+    parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
+    parser.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between)")
+    parser.add_argument("--out", default="bench/results/online", help="output folder")
+    parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
+    parser.add_argument("--device", default="cpu")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    return shlex.join([
+        "python", "-m", "bench.online", "--corpus", args.corpus, "--limit", str(args.limit), "--drafter", args.drafter,
+        "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
+        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition, "--out", args.out,
+        "--device", args.device, *(["--concurrent"] if args.concurrent else []), *(["--target", args.target] if args.target else []),
+    ])
+
+
+def run_online_bench(args: argparse.Namespace, settings) -> int:
+    from tqdm import tqdm
+
+    from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, machine_info
+    from drafters.online import OnlineConfig
+    from services.engine import EmbeddedEngine, EngineConfig
+    from services.learner import EmbeddedLearning, LearningConfig
+    from target.models import DEFAULT_TARGET, ModelConfig
+    from target.sampling import SamplingParams, validate_draft_length
+
+    validate_draft_length(args.k)
+    check(args.limit >= 3, f"--limit must be >= 3 (the report compares thirds), got {args.limit}")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")
+    hedge_lrs = tuple(float(x) for x in args.hedge_lrs.split(","))
+    prompts = stream_prompts(Path(args.corpus).expanduser(), args.limit)
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    target = args.target or DEFAULT_TARGET
+
+    print(f"specpool bench --online: {len(prompts)} prompts, drafter {args.drafter}, systems {', '.join(systems)}", file=sys.stderr)
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(target, args.device), drafter_device=args.device))
+    engine.drafter(args.drafter)
+    run_tag = uuid.uuid4().hex[:8]
+    base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
+                          batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
+                          online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition))
+    learnings: dict[str, EmbeddedLearning | None] = {}
+    for system in systems:
+        if system == "frozen":
+            learnings[system] = None
+        else:
+            config = replace(base, store=str(out / "stores" / f"{system}-{run_tag}"),
+                             online=replace(base.online, algorithm=system))
+            learnings[system] = EmbeddedLearning(config, settings.home)
+    stop_ids = engine.stop_token_ids()
+    encoded = [engine.encode_prompt(p) for p in prompts]
+
+    def run(system: str, ids: list[int], n: int, index: int) -> dict:
+        engine.learning = learnings[system]
+        params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
+        started = time.perf_counter()
+        result = engine.generate(ids, params, args.drafter, k=args.k, session_id=f"{run_tag}-{system}-{index}", tenant="bench")
+        wall = time.perf_counter() - started
+        learner_s = 0.0
+        if learnings[system] is not None:
+            busy = learnings[system].learner.busy_s
+            if not args.concurrent:
+                learnings[system].commit_now(timeout=600)
+            learner_s = learnings[system].learner.busy_s - busy  # (concurrent: what it did meanwhile)
+        slot = learnings[system].slot("bench", args.drafter) if learnings[system] is not None else None
+        return {"prompt_index": index, "system": system, "new_tokens": len(result.token_ids), "rounds": len(result.rounds),
+                "wall_s": wall, "learner_s": learner_s, "version": slot.version if slot else 0,
+                "mean_accepted_length": result.mean_accepted_length, "tokens_per_s": len(result.token_ids) / wall,
+                "accepted": sum(r.accepted for r in result.rounds), "proposed": sum(r.proposed for r in result.rounds),
+                "token_ids": result.token_ids}
+
+    warmup = engine.encode_prompt(WARMUP_PROMPT)
+    for system in systems:
+        engine.learning = None
+        engine.generate(warmup, SamplingParams(temperature=0.0, max_new_tokens=WARMUP_TOKENS, stop_token_ids=stop_ids),
+                        args.drafter, k=args.k)
+    records: list[dict] = []
+    mismatches = 0
+    try:
+        with (out / "per_prompt.jsonl").open("w") as raw:
+            for i in tqdm(range(len(prompts)), desc="bench online", unit="prompt", file=sys.stderr, dynamic_ncols=True):
+                shift = i % len(systems)
+                runs = [run(s, encoded[i], args.max_new_tokens, i) for s in systems[shift:] + systems[:shift]]
+                outputs = {tuple(r.pop("token_ids")) for r in runs}
+                mismatches += len(outputs) > 1  # greedy: every system must give the target's own output
+                for r in sorted(runs, key=lambda r: systems.index(r["system"])):
+                    records.append(r)
+                    raw.write(json.dumps(r) + "\n")
+    finally:
+        engine.learning = None
+        for learning in learnings.values():
+            if learning is not None:
+                learning.close()
+
+    rows = aggregate(records)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot = None
+    try:
+        plot_curves(records, out / "learning_curves.png")
+        plot = "learning_curves.png"
+    except ImportError:
+        pass
+    counters = {s: l.learner.counters for s, l in learnings.items() if l is not None}
+    header = {
+        "command": command_line(args),
+        "machine": json.dumps(machine_info(args.device)),
+        "target": target, "drafter": args.drafter, "k": args.k, "temperature": 0.0,
+        "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "corpus": args.corpus,
+        "learner": "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)",
+        "prompts whose outputs differ between systems (must be 0)": mismatches,
+        "learner counters": json.dumps(counters),
+    }
+    (out / "report.md").write_text(render(rows, header, plot))
+    print(render(rows, header, plot))
+    return 0 if mismatches == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.config import settings_from_env
+
+    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__.split("\n\n")[0])
+    add_online_arguments(parser)
+    return run_online_bench(parser.parse_args(argv), settings_from_env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

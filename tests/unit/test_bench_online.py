@@ -1,0 +1,53 @@
+"""bench/online.py: prompts from a corpus (no models), the results rows, and a three-prompt run on
+the tiny target with a tiny zoo drafter (every system's greedy output is the target's own)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+from bench.online import add_online_arguments, aggregate, passages, run_online_bench, segment_of, stream_prompts
+from online_helpers import write_tiny_zoo
+
+HEADER = "*** START OF THE PROJECT GUTENBERG EBOOK X ***\n"
+FOOTER = "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence " + "word " * 60
+
+
+def test_prompts_round_robin_over_files_without_gutenberg_boilerplate(tmp_path):
+    for name, word in (("a.txt", "cat"), ("b.txt", "dog")):
+        paragraphs = [" ".join([f"{word}{i}"] * 45) for i in range(3)] + ["short one", "CHAPTER " * 50]
+        (tmp_path / name).write_text("licence " * 60 + "\n\n" + HEADER + "\n\n".join(paragraphs) + "\n\n" + FOOTER)
+    (tmp_path / "LICENSE").write_text("x " * 100)
+    assert len(passages(tmp_path / "a.txt")) == 3
+    prompts = stream_prompts(tmp_path, 5)
+    firsts = [p.split("\n\n")[1].split()[0] for p in prompts]
+    assert firsts == ["cat0", "dog0", "cat1", "dog1", "cat2"]
+    assert all(len(p.split("\n\n")[1].split()) == 45 for p in prompts)
+
+
+def test_segments_and_rows():
+    assert [segment_of(i, 9) for i in range(9)] == ["first_third"] * 3 + [None] * 3 + ["last_third"] * 3
+    records = [{"prompt_index": i, "system": s, "new_tokens": 10, "rounds": r, "wall_s": 1.0}
+               for i in range(6) for s, r in (("frozen", 5), ("ogd", 5 if i < 3 else 4))]
+    rows = {(r["system"], r["segment"]): r for r in aggregate(records)}
+    assert rows[("frozen", "all")]["mean_accepted_length"] == 2.0
+    assert rows[("ogd", "last_third")]["mean_accepted_length"] == 2.5 and rows[("ogd", "last_third")]["n_prompts"] == 2
+    assert set(rows[("ogd", "all")]) == {"system", "segment", "mean_accepted_length", "tokens_per_s", "n_prompts", "learner_s"}
+
+
+def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
+    corpus = tmp_path / "book.txt"
+    corpus.write_text("\n\n".join(" ".join(["the cat sat on the mat and the dog ran to the house"] * 4) for _ in range(4)))
+    zoo = write_tiny_zoo(model_dirs.target, target_lm[1], tmp_path / "zoo")
+    parser = argparse.ArgumentParser()
+    add_online_arguments(parser)
+    args = parser.parse_args(["--corpus", str(corpus), "--limit", "3", "--drafter", f"zoo:{zoo}", "--max-new-tokens", "8",
+                              "--out", str(tmp_path / "out"), "--target", str(model_dirs.target), "--lr", "0.1"])
+    assert run_online_bench(args, SimpleNamespace(home=home)) == 0
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {(r["system"], r["segment"]) for r in rows} == {(s, g) for s in ("frozen", "ogd", "optimistic", "hedge")
+                                                            for g in ("first_third", "last_third", "all")}
+    per_prompt = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
+    assert max(r["version"] for r in per_prompt if r["system"] == "ogd") >= 1  # it learned between prompts
+    assert (tmp_path / "out" / "report.md").exists()

@@ -1,0 +1,457 @@
+"""The learner worker (services/learner.py) on the tiny target and a tiny zoo drafter: it consumes
+and acknowledges; after a crash the unacknowledged records come back and every record's effect
+counts exactly once; a corrupted update is rolled back; one tenant's feedback never changes another
+tenant's drafter; bad records are rejected and counted; and, through the embedded engine, drafters
+hot-swap under concurrent requests while greedy output stays the target's own.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters.feedback import Delivery, FeedbackRecord, InProcessFeedbackStream
+from drafters.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey
+from drafters.online import OnlineConfig
+from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
+from services import learner as learner_module
+from services.engine import EmbeddedEngine, EngineConfig
+from services.learner import Learner, LearningConfig, is_held_out
+from target.models import ModelConfig
+from target.sampling import SamplingParams
+from test_online import BAD_RECORDS
+
+DRAFTER = "d"
+
+
+@pytest.fixture(scope="module")
+def zoo_base(model_dirs):
+    return tiny_zoo_model(model_dirs.target)
+
+
+@pytest.fixture(scope="module")
+def records(target_lm, prompts):
+    return target_records(target_lm[0], prompts, k=4, per_prompt=2, drafter=DRAFTER)  # 48 records
+
+
+def make_learner(root: Path, stream, zoo_base, consumer: str = "learner-1", **settings) -> Learner:
+    settings.setdefault("holdout_every", 0)  # no held-out records unless a test wants them
+    settings.setdefault("online", OnlineConfig(algorithm="optimistic", lr=0.05))
+    return Learner(LearningConfig(**settings), stream, DirectoryModelStore(root / "store"),
+                   base_model=lambda name: zoo_base if name == DRAFTER else None, consumer=consumer)
+
+
+def filled(records) -> InProcessFeedbackStream:
+    stream = InProcessFeedbackStream(capacity=1000)
+    for record in records:
+        stream.emit(record.encode())
+    return stream
+
+
+def member_state(learner: Learner, key: VariantKey) -> dict[str, torch.Tensor]:
+    return learner.variants[key].learner.state_dict()["members"][0]
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+KEY = VariantKey("t1", DRAFTER)
+
+
+# --- consume, acknowledge, publish ----------------------------------------------------------------
+
+
+def test_learner_consumes_acknowledges_and_publishes(tmp_path, zoo_base, records):
+    stream = filled(records[:10])
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=4, read_count=4)
+    assert learner.drain() == 10
+    assert stream.pending() == 0 and stream.backlog() == 0
+    c = learner.counters
+    assert (c["read"], c["applied"], c["acked"], c["steps"]) == (10, 10, 10, 10)
+    assert c["rejected"] == c["errors"] == c["duplicates"] == 0
+    store = learner.store
+    assert c["published"] == c["promoted"] >= 2 and store.serving(KEY) == store.versions(KEY)[-1]
+    tensors, meta = store.load(KEY, store.serving(KEY))
+    assert meta["algorithm"] == "optimistic" and meta["members"] == 1
+    assert torch.equal(tensors["members.0.head_bias"], member_state(learner, KEY)["head_bias"])
+    assert not torch.equal(tensors["members.0.head_bias"], zoo_base.head_bias.detach())
+
+
+# --- crash and redelivery: each record's effect exactly once --------------------------------------
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashOn:
+    """Wraps a callable so that its n-th call raises ``Crash`` (the process dies there)."""
+
+    def __init__(self, inner, n: int):
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.n:
+            raise Crash(f"crash in call {self.n}")
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("algorithm", ["optimistic", "hedge"])
+@pytest.mark.parametrize("where", ["before_checkpoint", "before_ack"])
+def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, records, where, algorithm):
+    online = (OnlineConfig(algorithm="optimistic", lr=0.05) if algorithm == "optimistic"
+              else OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.08)))
+    settings = dict(publish_every=5, read_count=4, online=online)
+    stream_records = records[:20]
+
+    reference = make_learner(tmp_path / "reference", filled(stream_records), zoo_base, **settings)
+    reference.drain()
+
+    stream = filled(stream_records)
+    first = make_learner(tmp_path / "run", stream, zoo_base, **settings)
+    if where == "before_checkpoint":
+        first.store.save_state = CrashOn(first.store.save_state, 2)
+    else:
+        stream.ack = CrashOn(stream.ack, 2)
+    with pytest.raises(Crash):
+        for _ in range(10):
+            first.poll(0.0)
+    # Commit 1 (records 1-8) went through; commit 2 (records 9-16) died before its checkpoint or
+    # right after it, before acknowledging: records 9-16 are pending, 17-20 never delivered.
+    assert stream.pending() == 8 and stream.backlog() == 4
+    del first  # the process is gone: only the stream and the store survive
+
+    second = make_learner(tmp_path / "run", stream, zoo_base, consumer="learner-2", claim_idle_s=0.0, **settings)
+    assert second.recover() == 8  # the dead consumer's records are redelivered
+    second.drain()
+    assert stream.pending() == 0 and stream.backlog() == 0
+    duplicates = 8 if where == "before_ack" else 0  # already in the checkpoint: acknowledged, not re-applied
+    assert second.counters["duplicates"] == duplicates
+    assert second.counters["applied"] == 12 - duplicates
+    variant = second.variants[KEY]
+    assert sorted(variant.applied) == sorted(r.record_id for r in stream_records)  # each id once
+    # The weights, optimiser hints and Hedge weights are those of one uninterrupted pass.
+    want, got = reference.variants[KEY].learner.state_dict(), variant.learner.state_dict()
+    for a, b in zip(want["members"], got["members"]):
+        assert_same_state(a, b)
+    torch.testing.assert_close(want["weights"], got["weights"], rtol=0, atol=0)
+    assert want["steps"] == got["steps"] == 20
+    if algorithm == "optimistic":
+        for a, b in zip(want["previous"][0], got["previous"][0]):
+            assert torch.equal(a, b)
+
+
+# --- rollback -----------------------------------------------------------------------------------
+
+
+def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatch, caplog):
+    stream = InProcessFeedbackStream(capacity=1000)
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=12, holdout_every=3, min_holdout=3,
+                           rollback_bd_drop=0.02)
+    held = [r for r in records if is_held_out(r.record_id, 3)]
+    assert len(held) >= 6  # the test needs held-out records in both halves
+    for record in records[:24]:
+        stream.emit(record.encode())
+    learner.drain()
+    store = learner.store
+    good = store.serving(KEY)
+    assert good is not None and learner.counters["rollbacks"] == 0
+    good_tensors, _ = store.load(KEY, good)
+
+    variant = learner.variants[KEY]
+    clean_step = type(variant.learner).step
+
+    def corrupted_step(self, batch):  # a poisoned update: the weights blow up
+        report = clean_step(self, batch)
+        with torch.no_grad():
+            for p in self.members[0].parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 3.0)
+        return report
+
+    monkeypatch.setattr(type(variant.learner), "step", corrupted_step)
+    for record in records[24:]:
+        stream.emit(record.encode())
+    with caplog.at_level("WARNING", logger="specpool.learner"):
+        learner.drain()
+    assert learner.counters["rollbacks"] >= 1
+    assert "rolled back" in caplog.text
+    assert store.serving(KEY) == good  # drafters keep serving the good version
+    rolled = [row for row in learner.history if row["decision"] == "rolled_back"]
+    assert rolled and all(row["heldout_bd"] < row["parent_heldout_bd"] - 0.02 for row in rolled)
+    folder = tmp_path / "store" / KEY.scope / KEY.folder()
+    assert (folder / f"v{rolled[0]['version']:06d}" / "ROLLED_BACK").exists()
+    # The learner went back to the serving weights (not on from the corrupted ones).
+    state = member_state(learner, KEY)
+    for name, value in state.items():
+        assert torch.equal(value, good_tensors[f"members.0.{name}"]), name
+    assert stream.pending() == 0  # rolled-back records are acknowledged: their effect was decided once
+
+
+# --- tenants --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tenant_records(target_lm, prompts):
+    return {t: target_records(target_lm[0], prompts[6 * n:6 * n + 6], k=3, per_prompt=2, tenant=t, drafter=DRAFTER)
+            for n, t in enumerate(("a", "b", "c"))}
+
+
+def test_one_tenants_feedback_never_changes_another_tenants_drafter(tmp_path, zoo_base, tenant_records):
+    stream = InProcessFeedbackStream(capacity=1000)
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=4, opt_out=frozenset({"c"}))
+    store = learner.store
+    key_a, key_b, key_c = (VariantKey(t, DRAFTER) for t in "abc")
+    for record in tenant_records["a"] + tenant_records["c"]:
+        stream.emit(record.encode())
+    learner.drain()
+    assert set(learner.variants) == {key_a}
+    assert store.serving(key_a) and store.serving(key_b) is None and store.serving(key_c) is None
+    assert learner.counters["opted_out"] == len(tenant_records["c"])
+    a_state = {k: v.clone() for k, v in store.load_state(key_a)["learner"]["members"][0].items()}
+    a_version = store.serving(key_a)
+
+    for record in tenant_records["b"]:
+        stream.emit(record.encode())
+    learner.drain()
+    assert store.serving(key_b) and store.serving(key_a) == a_version
+    assert_same_state(store.load_state(key_a)["learner"]["members"][0], a_state)
+    assert not torch.equal(store.load_state(key_b)["learner"]["members"][0]["head_bias"], a_state["head_bias"])
+    assert not (tmp_path / "store" / "c").exists()
+
+
+def test_shared_pool_trains_one_variant_for_all(tmp_path, zoo_base, tenant_records):
+    stream = filled(tenant_records["a"] + tenant_records["b"])
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=100, shared_pool=True)
+    learner.drain()
+    assert set(learner.variants) == {VariantKey(SHARED_SCOPE, DRAFTER)}
+    assert learner.counters["applied"] == len(tenant_records["a"]) + len(tenant_records["b"])
+
+
+def test_training_budget_per_tenant(tmp_path, zoo_base, tenant_records):
+    stream = filled(tenant_records["a"] + tenant_records["b"])
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=100, budget_records=3)
+    learner.drain()
+    assert learner.counters["applied"] == 6 and learner.counters["over_budget"] == 2 * (len(tenant_records["a"]) - 3)
+    assert stream.pending() == 0
+    by_tokens = make_learner(tmp_path / "tokens", filled(tenant_records["a"]), zoo_base, budget_tokens=9)
+    by_tokens.drain()  # 4 positions a record (k = 3): two fit in 9
+    assert by_tokens.counters["applied"] == 2
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_records_are_rejected_and_counted_never_crash(tmp_path, zoo_base, records, monkeypatch):
+    good = records[:6]
+    outside = FeedbackRecord(**{**records[6].__dict__, "record_id": "outside", "draft": (100, 3, 4, 5)})
+    unknown = FeedbackRecord(**{**records[7].__dict__, "record_id": "unknown", "drafter": "ngram"})
+    payloads = [payload for payload, _ in BAD_RECORDS] + [outside.encode(), unknown.encode()]
+    stream = InProcessFeedbackStream(capacity=1000)
+    for n, payload in enumerate(payloads):
+        stream.emit(payload)
+        if n % 5 == 0 and good:
+            stream.emit(good.pop().encode())
+    for record in good:
+        stream.emit(record.encode())
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=3)
+    learner.drain()
+    c = learner.counters
+    assert c["applied"] == 6 and c["rejected"] == len(BAD_RECORDS) + 1 and c["not_learnable"] == 1
+    expected: dict[str, int] = {}
+    for _, reason in BAD_RECORDS:
+        expected[reason] = expected.get(reason, 0) + 1
+    expected["out_of_range"] += 1  # token 100 >= the tiny vocabulary's 64
+    assert learner.rejected == expected
+    assert stream.pending() == 0 and c["errors"] == 0
+
+    # A record that keeps killing consumers is dropped after max_deliveries.
+    learner.process(Delivery("99-0", records[8].encode(), deliveries=6))
+    assert learner.counters["dead_lettered"] == 1
+    # An unexpected failure while applying one record is counted; the learner goes on.
+    real = learner_module.make_batch
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "make_batch", flaky)
+    for record in records[9:12]:
+        stream.emit(record.encode())
+    learner.drain()
+    assert learner.counters["errors"] == 1 and learner.counters["applied"] == 8 and stream.pending() == 0
+
+
+def test_a_broken_checkpoint_leaves_records_pending(tmp_path, zoo_base, records):
+    """A store problem is not the record's fault: the record is not dropped but left pending, and
+    a learner started after the fix applies it."""
+    stream = filled(records[:3])
+    learner = make_learner(tmp_path, stream, zoo_base)
+    folder = tmp_path / "store" / KEY.scope / KEY.folder()
+    folder.mkdir(parents=True)
+    (folder / "learner_state.pt").write_bytes(b"not a checkpoint")
+    learner.drain()
+    assert learner.counters["errors"] == 3 and learner.counters["applied"] == 0 and stream.pending() == 3
+    (folder / "learner_state.pt").unlink()
+    fixed = make_learner(tmp_path, stream, zoo_base, consumer="learner-2", claim_idle_s=0.0)
+    assert fixed.recover() == 3
+    fixed.drain()
+    assert fixed.counters["applied"] == 3 and stream.pending() == 0
+
+
+# --- through the embedded engine: hot swap under concurrent requests --------------------------------
+
+
+@pytest.fixture(scope="module")
+def zoo_spec(model_dirs, target_lm, tmp_path_factory) -> str:
+    folder = write_tiny_zoo(model_dirs.target, target_lm[1], tmp_path_factory.mktemp("zoo") / "tiny")
+    return f"zoo:{folder}"
+
+
+def learning_engine(home: Path, model_dirs, store: Path, **settings) -> EmbeddedEngine:
+    settings.setdefault("holdout_every", 0)
+    config = LearningConfig(store=str(store), online=OnlineConfig(algorithm="ogd", lr=0.1), **settings)
+    return EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))), learning=config)
+
+
+class RecordingEmitter:
+    """Wraps the engine's emitter: remembers the version each round was drafted with."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.versions: dict[str, set[int]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, fb, tenant, version):
+        with self.lock:
+            self.versions.setdefault(fb.session_id, set()).add(version)
+        self.inner(fb, tenant, version)
+
+
+def test_engine_learns_and_swaps_for_the_next_request(home, model_dirs, zoo_spec, tmp_path, engine, prompts):
+    learning = learning_engine(home, model_dirs, tmp_path / "store", publish_every=4, opt_out=frozenset({"quiet"}))
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
+        reference = [engine.generate(p, params, None).token_ids for p in prompts[:4]]
+        for prompt, want in zip(prompts[:4], reference):
+            assert learning.generate(prompt, params, zoo_spec, k=4, tenant="a").token_ids == want
+        assert learning.learning.stream.emitted > 0
+        assert learning.learning.commit_now()
+        slot_a = learning.learning.slot("a", zoo_spec)
+        assert slot_a.version >= 1 and learning.learning.learner.counters["promoted"] >= 1
+        recorder = RecordingEmitter(learning.learning.emitter)
+        learning.learning.emitter = recorder
+        learned = slot_a.version  # nothing new to commit: this is what the next request pins
+        result = learning.generate(prompts[5], params, zoo_spec, k=4, tenant="a", session_id="after")
+        assert result.token_ids == engine.generate(prompts[5], params, None).token_ids
+        assert recorder.versions["after"] == {learned}  # (the learner may promote again meanwhile)
+        # Another tenant is still served the shipped weights; an opted-out tenant emits nothing.
+        learning.generate(prompts[6], params, zoo_spec, k=4, tenant="b", session_id="other")
+        assert recorder.versions["other"] == {0}
+        learning.generate(prompts[7], params, zoo_spec, k=4, tenant="quiet", session_id="quiet-1")
+        assert "quiet-1" not in recorder.versions
+    finally:
+        learning.close()
+
+
+def test_hot_swap_under_concurrent_requests(home, model_dirs, zoo_spec, tmp_path, engine, prompts):
+    """Threads generate while the learner trains and promotes new versions: nothing errors, every
+    output is the target's own greedy output, and each request drafts with one version only."""
+    learning = learning_engine(home, model_dirs, tmp_path / "store", publish_every=2, commit_after_s=0.05)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=14, stop_token_ids=())
+        work = prompts[:9]
+        reference = {n: engine.generate(p, params, None).token_ids for n, p in enumerate(work)}
+        learning.drafter(zoo_spec)  # load once, before the threads start
+        recorder = RecordingEmitter(learning.learning.emitter)
+        learning.learning.emitter = recorder
+        errors: list[BaseException] = []
+        mismatches: list[tuple[int, int]] = []
+
+        def client(worker: int) -> None:
+            try:
+                for round_ in range(3):
+                    for n in range(worker, len(work), 3):
+                        got = learning.generate(work[n], params, zoo_spec, k=4, tenant="a",
+                                                session_id=f"w{worker}-{round_}-{n}").token_ids
+                        if got != reference[n]:
+                            mismatches.append((worker, n))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            learning.learning.commit_now(timeout=10)  # promote what was learned so far, while requests run
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert not mismatches
+        assert all(len(v) == 1 for v in recorder.versions.values()), recorder.versions  # never mixed
+        seen = set().union(*recorder.versions.values())
+        assert len(seen) >= 2, seen  # versions really changed while serving
+        assert learning.learning.learner.counters["promoted"] >= 2
+        assert learning.learning.learner.counters["errors"] == 0
+    finally:
+        learning.close()
+
+
+# --- served mode's pieces -------------------------------------------------------------------------
+
+
+def test_run_learner_until_stopped(tmp_path, zoo_base, records):
+    stream = filled(records[:8])
+    stop = threading.Event()
+    store = DirectoryModelStore(tmp_path / "store")
+    config = LearningConfig(publish_every=4, holdout_every=0, read_block_s=0.01)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault(
+        "learner", learner_module.run_learner(config, stream, store, lambda n: zoo_base, "served-1", stop)))
+    thread.start()
+    for _ in range(500):
+        if stream.backlog() == 0 and stream.pending() == 0:
+            break
+        threading.Event().wait(0.01)
+    stop.set()
+    thread.join(10)
+    assert box["learner"].counters["applied"] == 8 and store.serving(KEY) is not None
+
+
+def test_registry_base_models_only_builds_allowed_drafters(home):
+    from drafters.registry import DrafterContext
+
+    base = learner_module.registry_base_models(DrafterContext(home), allowed=["ngram"])
+    assert base("hf:some-org/some-model") is None  # never loaded: not allowed
+    assert base("ngram") is None  # allowed, but not a zoo drafter
+
+
+def test_learning_options():
+    import argparse
+
+    from router.errors import InvalidArgument
+    from services.cli_learning import add_learner_command, add_learning_arguments, learning_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_learning_arguments(parser)
+    assert learning_config_from_args(parser.parse_args([])) is None
+    config = learning_config_from_args(parser.parse_args(
+        ["--learn", "--learn-algorithm", "hedge", "--learn-hedge-lrs", "0.1,1", "--learn-opt-out", "x, y",
+         "--learn-shared", "--learn-budget-records", "5"]))
+    assert config.online.algorithm == "hedge" and config.online.hedge_lrs == (0.1, 1.0)
+    assert config.opt_out == {"x", "y"} and config.shared_pool and config.budget_records == 5
+    with pytest.raises(InvalidArgument):
+        learning_config_from_args(parser.parse_args(["--learn", "--learn-lr", "-1"]))
+    commands = argparse.ArgumentParser().add_subparsers(dest="command")
+    learner = add_learner_command(commands)
+    args = learner.parse_args(["--drafters", "chat,code", "--learn-algorithm", "optimistic"])
+    assert args.drafters == "chat,code" and learning_config_from_args(args, ("chat",)).online.algorithm == "optimistic"

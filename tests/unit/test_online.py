@@ -1,0 +1,459 @@
+"""Online learning's parts without the learner worker: the pure math (OGD, optimistic OGD, Hedge,
+sparse TV) on tables of cases, feedback records (round trip, bounded, bad input rejected with a
+reason), the in-process stream's consumer-group semantics, the directory model store, and the
+three algorithms lowering the distillation loss on a repeated feedback stream from the tiny target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from drafters.feedback import (
+    BadFeedback,
+    FeedbackEmitter,
+    FeedbackLimits,
+    FeedbackRecord,
+    InProcessFeedbackStream,
+    record_from_round,
+)
+from drafters.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey, open_model_store
+from drafters.online import (
+    OnlineConfig,
+    OnlineDrafterLearner,
+    ZooEnsembleLM,
+    build_served_model,
+    clip_grads,
+    evaluate,
+    hedge_update,
+    make_batch,
+    ogd_step,
+    optimistic_step,
+    sparse_tv,
+)
+from drafters.zoo import ZooDrafter
+from online_helpers import target_records, tiny_zoo_model
+from router.errors import InvalidArgument, NotFound
+from router.loop import FixedChooser, RoundFeedback, speculative_generate
+from target.sampling import SamplingParams
+
+# --- pure math ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weights, losses, eta, share, expected",
+    [
+        ([0.5, 0.5], [1.0, 1.0], 1.0, 0.0, [0.5, 0.5]),  # equal losses: nothing moves
+        ([0.5, 0.5], [0.0, 1.0], 1.0, 0.0, [1 / (1 + math.e ** -1), math.e ** -1 / (1 + math.e ** -1)]),
+        ([0.5, 0.5], [0.0, 1.0], 0.0, 0.0, [0.5, 0.5]),  # eta 0: no learning
+        ([0.2, 0.8], [2.0, 2.0], 3.0, 0.0, [0.2, 0.8]),  # a shared loss is no information
+        ([0.25, 0.75], [1.0, 0.0], math.log(3), 0.0, [0.1, 0.9]),  # 0.25/3 : 0.75 = 1 : 9
+        ([1.0, 0.0], [0.0, 0.0], 1.0, 0.1, [0.95, 0.05]),  # fixed share revives a dead member
+        ([0.5, 0.5], [0.0, 1000.0], 1.0, 0.0, [1.0, 0.0]),  # huge loss: no NaN, no overflow
+        ([1 / 3] * 3, [0.0, 1.0, 2.0], 1.0, 0.0,
+         [1 / (1 + math.e ** -1 + math.e ** -2), math.e ** -1 / (1 + math.e ** -1 + math.e ** -2),
+          math.e ** -2 / (1 + math.e ** -1 + math.e ** -2)]),
+    ],
+)
+def test_hedge_update(weights, losses, eta, share, expected):
+    got = hedge_update(torch.tensor(weights), torch.tensor(losses), eta, share)
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert abs(float(got.sum()) - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "w, g, previous, lr, expected",
+    [
+        (1.0, 2.0, None, 0.1, 0.8),  # no hint yet: a plain OGD step
+        (1.0, 2.0, 2.0, 0.1, 0.8),  # hint = this gradient: the same step
+        (1.0, 2.0, 1.0, 0.1, 0.7),  # 1 - 0.1 (2*2 - 1)
+        (0.0, 0.0, 1.0, 0.1, 0.1),  # gradient vanished: the hint's overshoot is taken back
+        (1.0, -1.0, 0.0, 0.5, 2.0),  # 1 - 0.5 (-2 - 0)
+        (3.0, 5.0, -5.0, 0.0, 3.0),  # lr 0: no move
+    ],
+)
+def test_optimistic_step(w, g, previous, lr, expected):
+    param = torch.tensor([w])
+    optimistic_step([param], [torch.tensor([g])], None if previous is None else [torch.tensor([previous])], lr)
+    assert float(param) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("w, g, lr, expected", [(1.0, 2.0, 0.1, 0.8), (0.0, -3.0, 1.0, 3.0), (2.0, 5.0, 0.0, 2.0)])
+def test_ogd_step(w, g, lr, expected):
+    param = torch.tensor([w])
+    ogd_step([param], [torch.tensor([g])], lr)
+    assert float(param) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "grads, max_norm, expected",
+    [
+        ([[3.0], [4.0]], 10.0, [[3.0], [4.0]]),  # norm 5 <= 10: unchanged
+        ([[3.0], [4.0]], 1.0, [[0.6], [0.8]]),  # scaled to norm 1
+        ([[float("nan")], [4.0]], 1.0, [[0.0], [1.0]]),  # non-finite entries dropped first
+    ],
+)
+def test_clip_grads(grads, max_norm, expected):
+    got = clip_grads([torch.tensor(g) for g in grads], max_norm)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, torch.tensor(b))
+
+
+@pytest.mark.parametrize(
+    "p_ids, p, q, expected",
+    [
+        ([0, 1], [0.5, 0.5], [0.5, 0.5, 0.0], 0.0),  # same distribution
+        ([0], [1.0], [0.0, 1.0, 0.0], 1.0),  # disjoint
+        ([0, 1], [0.6, 0.4], [0.3, 0.3, 0.4], 0.4),  # 1/2 (0.3 + 0.1 + |0 - 0.4|)
+        ([2, -1], [0.5, 0.3], [0.0, 0.0, 1.0], 0.5),  # p's second token outside q's vocabulary
+        ([0], [0.7], [0.7, 0.3, 0.0], 0.0),  # p's unknown 0.3 may sit where q's rest is
+    ],
+)
+def test_sparse_tv(p_ids, p, q, expected):
+    got = sparse_tv(torch.tensor([p_ids]), torch.tensor([p]), torch.tensor([q]))
+    assert float(got[0]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_online_config_validation():
+    OnlineConfig().validate()
+    for bad in (OnlineConfig(algorithm="adam"), OnlineConfig(lr=-1.0), OnlineConfig(hedge_member="hedge"),
+                OnlineConfig(algorithm="hedge", hedge_lrs=()), OnlineConfig(clip_norm=0.0),
+                OnlineConfig(hedge_share=1.0), OnlineConfig(lr=float("nan"))):
+        with pytest.raises(InvalidArgument):
+            bad.validate()
+
+
+# --- feedback records ---------------------------------------------------------------------------
+
+
+def a_record(**overrides) -> FeedbackRecord:
+    fields = dict(record_id="r1", tenant="acme", session="s-1", drafter="zoo:/x/y", version=3,
+                  context=(1, 5, 7), draft=(9, 10), accepted=1,
+                  target_ids=((9, 4), (11, 10), (2, 3)), target_probs=((0.7, 0.2), (0.5, 0.4), (1.0, 0.0)), created=12.5)
+    fields.update(overrides)
+    return FeedbackRecord(**fields)
+
+
+def test_record_round_trip():
+    record = a_record()
+    assert FeedbackRecord.decode(record.encode()) == record
+    assert FeedbackRecord.decode(record.encode(), vocab_size=12) == record
+    assert record.positions == 3
+
+
+def _payload(**changes) -> bytes:
+    data = json.loads(a_record().encode())
+    data.update(changes)
+    return json.dumps(data).encode()
+
+
+BAD_RECORDS = [
+    (b"\x00\xff garbage", "malformed"),
+    (b"[1, 2, 3]", "malformed"),
+    (b"[" * 100_000 + b"]" * 100_000, "oversized"),
+    (b"[" * 5000 + b"]" * 5000, "malformed"),  # deep nesting
+    (b"x" * 70_000, "oversized"),
+    (_payload(f=2), "malformed"),
+    (_payload(id=""), "malformed"),
+    (_payload(id="a b"), "malformed"),
+    (_payload(tenant="*"), "malformed"),
+    (_payload(session=None), "malformed"),
+    (_payload(drafter="x" * 600), "malformed"),
+    (_payload(version=-1), "out_of_range"),
+    (_payload(version=True), "malformed"),
+    (_payload(context=[]), "malformed"),
+    (_payload(context=[1, "2"]), "malformed"),
+    (_payload(context=[1, -2]), "out_of_range"),
+    (_payload(context=[1, 2.0]), "malformed"),
+    (_payload(context=list(range(300))), "oversized"),
+    (_payload(draft=[True, 1]), "malformed"),
+    (_payload(accepted=3), "out_of_range"),
+    (_payload(p_ids=[[9, 4], [11, 10]]), "malformed"),  # k rows instead of k+1
+    (_payload(p=[[0.7], [0.5, 0.4], [1.0, 0.0]]), "malformed"),
+    (_payload(p=[[0.7, 0.2], [0.5, 0.6], [1.0, 0.0]]), "out_of_range"),  # sums to 1.1
+    (_payload(p=[[0.7, 1.5], [0.5, 0.4], [1.0, 0.0]]), "out_of_range"),
+    (b'{"f":1,"id":"r","tenant":"a","session":"s","drafter":"d","version":0,"context":[1],"draft":[2],'
+     b'"accepted":0,"p_ids":[[1],[2]],"p":[[NaN],[0.1]]}', "out_of_range"),
+    (_payload(p_ids=[[9, 9], [11, 10], [2, 3]]), "malformed"),
+    (_payload(p_ids=[list(range(70)), [11, 10], [2, 3]]), "oversized"),
+    (_payload(t="yesterday"), "malformed"),
+    (b'{"f": 1}', "malformed"),
+]
+
+
+@pytest.mark.parametrize("payload, reason", BAD_RECORDS, ids=range(len(BAD_RECORDS)))
+def test_bad_records_are_rejected_with_a_reason(payload, reason):
+    with pytest.raises(BadFeedback) as info:
+        FeedbackRecord.decode(payload, FeedbackLimits())
+    assert info.value.reason == reason
+
+
+def test_token_ids_beyond_the_vocabulary_are_out_of_range():
+    with pytest.raises(BadFeedback) as info:
+        FeedbackRecord.decode(a_record().encode(), vocab_size=10)
+    assert info.value.reason == "out_of_range"
+
+
+def test_record_from_a_real_round_is_bounded(verifier, noisy_lm, prompts):
+    """The loop's feedback hook + the target's top-K give records of k+1 rows, K entries each,
+    the context cut to its tail; the output is the same as without feedback."""
+    from drafters.hf_model import HFModelDrafter
+
+    drafters = {"noisy": HFModelDrafter("noisy", *noisy_lm)}
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    rounds: list[RoundFeedback] = []
+    stream = InProcessFeedbackStream(capacity=100)
+    emitter = FeedbackEmitter(stream, context_tail=8)
+
+    def sink(fb: RoundFeedback) -> None:
+        rounds.append(fb)
+        emitter(fb, "acme", 0)
+
+    plain = speculative_generate(prompts[0], session_id="fb-plain", drafters=drafters, chooser=FixedChooser("noisy"),
+                                 verifier=verifier, params=params, k=4)
+    with_feedback = speculative_generate(prompts[0], session_id="fb", drafters=drafters, chooser=FixedChooser("noisy"),
+                                         verifier=verifier, params=params, k=4, feedback=sink, return_top_k=5)
+    assert with_feedback.token_ids == plain.token_ids
+    assert rounds and len(rounds) == sum(1 for r in with_feedback.rounds if r.proposed > 0)
+    assert emitter.emitted == len(rounds) and emitter.errors == 0
+    for fb, delivery in zip(rounds, stream.read("c", 100)):
+        record = FeedbackRecord.decode(delivery.payload, vocab_size=64)
+        assert record.context == tuple(fb.context_ids[-8:]) and len(record.context) == 8
+        assert record.draft == tuple(fb.proposal.tokens) and record.accepted == fb.result.accepted
+        assert len(record.target_ids) == len(record.draft) + 1 and all(len(r) == 5 for r in record.target_ids)
+        # Row j's top token is the target's greedy choice after context + draft[:j].
+        assert record.target_ids[record.accepted][0] == fb.result.tokens[record.accepted]
+    # Without the target's top-K there is nothing to learn from: skipped, never an error.
+    assert record_from_round(dataclasses.replace(rounds[0], result=plain_result(rounds[0])), "a", 0) is None
+
+
+def plain_result(fb: RoundFeedback):
+    from target.verifier import VerifyResult
+
+    return VerifyResult(fb.result.accepted, fb.result.tokens, fb.result.tv)
+
+
+def test_emitter_never_raises():
+    class Broken:
+        def emit(self, payload):
+            raise OSError("disk full")
+
+    emitter = FeedbackEmitter(Broken())
+    emitter(object(), "a", 0)  # not even a round
+    assert emitter.errors == 1
+
+
+# --- the in-process stream ----------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stream_read_ack_and_redelivery():
+    clock = FakeClock()
+    stream = InProcessFeedbackStream(capacity=10, clock=clock)
+    for i in range(5):
+        stream.emit(f"p{i}".encode())
+    first = stream.read("a", 3)
+    assert [d.payload for d in first] == [b"p0", b"p1", b"p2"] and all(d.deliveries == 1 for d in first)
+    assert stream.pending() == 3 and stream.backlog() == 2
+    assert stream.ack([first[0].entry_id, "nope"]) == 1
+    assert [d.payload for d in stream.read("a", 10)] == [b"p3", b"p4"]  # pending ones are not read again
+    assert stream.read("a", 10) == []
+    assert stream.claim_stale("b", min_idle_s=5.0) == ("0-0", [])  # not idle long enough
+    clock.now = 10.0
+    cursor, again = stream.claim_stale("b", min_idle_s=5.0, count=3)
+    assert [d.payload for d in again] == [b"p1", b"p2", b"p3"] and all(d.deliveries == 2 for d in again)
+    # The cursor goes on where the scan stopped (p4); claimed ones are not handed out twice.
+    cursor, rest = stream.claim_stale("c", min_idle_s=0.0, count=3, start=cursor)
+    assert [d.payload for d in rest] == [b"p4"] and cursor == "0-0"
+    stream.ack([d.entry_id for d in again])
+    clock.now = 20.0
+    assert [d.payload for d in stream.claim_stale("b", min_idle_s=5.0)[1]] == [b"p4"]
+    stream.ack([rest[0].entry_id])
+    assert stream.pending() == 0
+
+
+def test_stream_drops_the_oldest_when_full_and_never_blocks():
+    stream = InProcessFeedbackStream(capacity=3)
+    for i in range(7):
+        stream.emit(str(i).encode())
+    assert stream.dropped == 4 and stream.emitted == 7
+    assert [d.payload for d in stream.read("a", 10)] == [b"4", b"5", b"6"]
+    with pytest.raises(InvalidArgument):
+        InProcessFeedbackStream(capacity=0)
+
+
+# --- the model store ----------------------------------------------------------------------------
+
+
+def test_directory_store_versions(tmp_path):
+    store = DirectoryModelStore(tmp_path / "store", keep_versions=2)
+    key = VariantKey("acme", "zoo:/some/path with spaces/chat")
+    assert store.serving(key) is None and store.versions(key) == [] and store.load_state(key) is None
+    v1 = store.publish(key, {"w": torch.ones(2)}, {"note": "a"})
+    v2 = store.publish(key, {"w": torch.full((2,), 2.0)}, {})
+    assert (v1, v2) == (1, 2) and store.serving(key) is None  # published is not served
+    store.promote(key, v1)
+    assert store.serving(key) == 1
+    tensors, meta = store.load(key, 1)
+    assert torch.equal(tensors["w"], torch.ones(2)) and meta["note"] == "a" and meta["version"] == 1
+    v3 = store.publish(key, {"w": torch.zeros(2)}, {})
+    v4 = store.publish(key, {"w": torch.zeros(2)}, {})
+    # Only the newest two are kept, and the serving one whatever its age.
+    assert store.versions(key) == [1, v3, v4]
+    store.mark_rolled_back(key, v4, "BD dropped")
+    folder = tmp_path / "store" / "acme" / key.folder()
+    assert (folder / f"v{v4:06d}" / "ROLLED_BACK").read_text().startswith("BD dropped")
+    store.save_state(key, {"x": torch.arange(3)})
+    assert torch.equal(store.load_state(key)["x"], torch.arange(3))
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporaries left
+    with pytest.raises(NotFound):
+        store.promote(key, 99)
+    with pytest.raises(NotFound):
+        store.load(key, 2)  # pruned
+    # Scopes are separate folders; the shared pool has its own.
+    other = VariantKey(SHARED_SCOPE, key.drafter)
+    assert store.serving(other) is None and os.sep not in key.folder()
+
+
+def test_open_model_store(tmp_path):
+    assert isinstance(open_model_store(tmp_path), DirectoryModelStore)
+    assert open_model_store(f"file://{tmp_path}").root == tmp_path
+    with pytest.raises(NotFound, match="s3://"):
+        open_model_store("s3://bucket/x")
+    made = []
+    assert open_model_store("mem://x", schemes={"mem": lambda uri: made.append(uri) or "store"}) == "store"
+    assert made == ["mem://x"]
+    with pytest.raises(InvalidArgument):
+        VariantKey("bad tenant", "d")
+
+
+# --- the algorithms on a repeated feedback stream from the tiny target ---------------------------
+
+
+@pytest.fixture(scope="module")
+def zoo_base(model_dirs):
+    return tiny_zoo_model(model_dirs.target)
+
+
+@pytest.fixture(scope="module")
+def stream_records(target_lm, prompts):
+    return target_records(target_lm[0], prompts[:12], k=4, per_prompt=2)
+
+
+ALGORITHM_CASES = {
+    "ogd": OnlineConfig(algorithm="ogd", lr=0.05),
+    "optimistic": OnlineConfig(algorithm="optimistic", lr=0.05),
+    "hedge": OnlineConfig(algorithm="hedge", hedge_lrs=(0.01, 0.05, 0.1)),
+    "hedge-optimistic": OnlineConfig(algorithm="hedge", hedge_lrs=(0.01, 0.05), hedge_member="optimistic"),
+}
+
+
+@pytest.mark.parametrize("name", ALGORITHM_CASES)
+def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
+    learner = OnlineDrafterLearner(zoo_base, ALGORITHM_CASES[name])
+    everything = make_batch(stream_records, learner.vocab_map)
+    before = learner.loss(everything)
+    served_before = evaluate(zoo_base, stream_records, learner.vocab_map)
+    for _ in range(3):  # the same stream, three times
+        for record in stream_records:
+            learner.step(make_batch([record], learner.vocab_map))
+    after = learner.loss(everything)
+    assert after < before - 0.3, (before, after)
+    tensors, metadata = learner.serving_tensors()
+    served = build_served_model(zoo_base, tensors, metadata)
+    served_after = evaluate(served, stream_records, learner.vocab_map)
+    assert served_after.loss == pytest.approx(after, rel=1e-4)  # what is served is what was trained
+    assert served_after.bd > served_before.bd + 0.03
+    # The base network is untouched: learning trains copies.
+    assert evaluate(zoo_base, stream_records, learner.vocab_map).loss == pytest.approx(served_before.loss)
+
+
+def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_records):
+    """A member that never learns (lr 0) keeps the initial loss; the learning one's drops, and
+    Hedge moves the weight there; the served mixture follows."""
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.0, 0.05), hedge_share=0.0))
+    weights = [float(learner.weights[1])]
+    for record in stream_records * 2:
+        report = learner.step(make_batch([record], learner.vocab_map))
+        weights.append(float(learner.weights[1]))
+    assert report.member_losses[1] < report.member_losses[0]
+    assert weights[0] == 0.5 and weights[-1] > 0.95
+    assert sum(b >= a - 1e-9 for a, b in zip(weights, weights[1:])) > 0.8 * (len(weights) - 1)
+
+
+def test_ensemble_network_is_the_mixture_and_its_cache_is_exact(zoo_base, stream_records):
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.1)))
+    for record in stream_records[:6]:
+        learner.step(make_batch([record], learner.vocab_map))
+    tensors, metadata = learner.serving_tensors()
+    model = build_served_model(zoo_base, tensors, metadata)
+    assert isinstance(model, ZooEnsembleLM)
+    ids = torch.tensor([list(stream_records[0].context)])
+    with torch.inference_mode():
+        mix = torch.softmax(model(ids, use_cache=False).logits, -1)  # (1, T, V_r)
+        expected = sum(float(w) * torch.softmax(m(ids, use_cache=False).logits, -1)
+                       for w, m in zip(learner.weights, learner.members))
+        cache = model.new_cache()
+        steps = [model(ids[:, :5], cache=cache).logits[0]]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits[0] for t in range(5, 8)]
+        cache.crop(-2)
+        length = cache.get_seq_length()
+        full = model(ids[:, :8], use_cache=False).logits[0]
+    torch.testing.assert_close(mix, expected, rtol=1e-4, atol=1e-5)
+    assert length == 6
+    torch.testing.assert_close(torch.cat(steps), full, rtol=1e-4, atol=1e-4)
+
+
+def test_ensemble_drafter_is_lossless(zoo_base, stream_records, verifier, prompts, greedy_reference, target_lm):
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.1)))
+    for record in stream_records:
+        learner.step(make_batch([record], learner.vocab_map))
+    tensors, metadata = learner.serving_tensors()
+    drafter = ZooDrafter("ens", build_served_model(zoo_base, tensors, metadata), {"target_tokenizer_fingerprint": "x"})
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    for n, prompt in enumerate(prompts[:3]):
+        result = speculative_generate(prompt, session_id=f"ens{n}", drafters={"ens": drafter}, chooser=FixedChooser("ens"),
+                                      verifier=verifier, params=params, k=4)
+        assert result.token_ids == greedy_reference(target_lm[0], prompt, 16)
+        drafter.release(f"ens{n}")
+
+
+@pytest.mark.parametrize(
+    "grads, accumulated, expected, expected_g",
+    [
+        ([2.0], None, [1.0], [4.0]),  # first step: g / |g| = sign
+        ([3.0], [16.0], [0.6], [25.0]),  # 3 / sqrt(16 + 9)
+        ([0.0], [4.0], [0.0], [4.0]),  # no gradient: no move, G unchanged
+        ([-1.0], [0.0], [-1.0], [1.0]),
+    ],
+)
+def test_adagrad_scale(grads, accumulated, expected, expected_g):
+    from drafters.online import adagrad_scale
+
+    scaled, new = adagrad_scale([torch.tensor(grads)], None if accumulated is None else [torch.tensor(accumulated)], eps=0.0)
+    torch.testing.assert_close(scaled[0], torch.tensor(expected))
+    torch.testing.assert_close(new[0], torch.tensor(expected_g))
+
+
+def test_adagrad_preconditioned_learning_lowers_the_loss(zoo_base, stream_records):
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="optimistic", lr=0.003, precondition="adagrad"))
+    everything = make_batch(stream_records, learner.vocab_map)
+    before = learner.loss(everything)
+    for record in stream_records * 2:
+        learner.step(make_batch([record], learner.vocab_map))
+    assert learner.loss(everything) < before - 0.3
+    restored = OnlineDrafterLearner(zoo_base, learner.config)
+    restored.load_state_dict(learner.state_dict())  # G travels with the checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(restored.accumulated[0], learner.accumulated[0]))
