@@ -211,7 +211,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         else:
             config = replace(base, store=str(out / "stores" / f"{system}-{run_tag}"),
                              online=replace(base.online, algorithm=system))
-            learnings[system] = EmbeddedLearning(config, settings.home)
+            learnings[system] = EmbeddedLearning(config, settings.home, continuous=args.concurrent)
     stop_ids = engine.stop_token_ids()
     encoded = [engine.encode_prompt(p) for p in prompts]
 

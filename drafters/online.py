@@ -287,24 +287,55 @@ class Evaluation:
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor) -> Evaluation:
-    """How well a drafter network matches the target on ``records`` (e.g. held-out feedback)."""
-    if not records:
-        return Evaluation(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+def _per_position(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor):
+    """(1 - TV greedy, 1 - TV soft, agreement) per draft position (N,) each, and the loss."""
     batch = make_batch(records, vocab_map, bonus=True)
     log_q = F.log_softmax(model(batch.inputs.to(model.device), use_cache=False).logits.float().cpu(), dim=-1)  # (B, L, V_r)
     loss = float(distillation_loss(log_q[batch.mask], batch.ids[batch.mask], batch.probs[batch.mask]))
     drafts = make_batch(records, vocab_map, bonus=False)
-    # BD over every draft position (also those whose top-K is outside the vocabulary: TV ~ 1 there).
-    rows = (drafts.probs.sum(-1) > 0)  # (B, L)
+    # Every draft position counts (also those whose top-K is outside the vocabulary: TV ~ 1 there).
+    rows = drafts.probs.sum(-1) > 0  # (B, L)
     ids, probs = drafts.ids[rows], drafts.probs[rows]  # (N, K)
     q = log_q[rows].exp()  # (N, V_r)
-    tv = sparse_tv(ids, probs, q)
+    soft = 1 - sparse_tv(ids, probs, q)
     top = ids.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)  # (N,) target argmax, reduced index or -1
     draft = q.argmax(-1)  # (N,) the greedy draft, reduced index
-    agreement = (draft == top).float()
-    greedy = (probs * (ids == draft[:, None])).sum(-1)  # (N,) p(greedy draft)
-    return Evaluation(float(greedy.mean()), float((1 - tv).mean()), float(agreement.mean()), loss, int(rows.sum()))
+    greedy = (probs * (ids == draft[:, None])).sum(-1)  # p(greedy draft)
+    return greedy, soft, (draft == top).float(), loss
+
+
+def evaluate(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor) -> Evaluation:
+    """How well a drafter network matches the target on ``records`` (e.g. held-out feedback)."""
+    if not records:
+        return Evaluation(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+    greedy, soft, agreement, loss = _per_position(model, records, vocab_map)
+    return Evaluation(float(greedy.mean()), float(soft.mean()), float(agreement.mean()), loss, len(greedy))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Candidate minus serving version on the same positions (paired)."""
+
+    candidate_bd: float
+    serving_bd: float
+    z: float  # mean paired difference / its standard error (negative: the candidate is worse)
+    positions: int
+
+    def regressed(self, drop: float, z_min: float) -> bool:
+        """Worse by more than ``drop`` and not by chance (|z| > ``z_min``)."""
+        return self.candidate_bd < self.serving_bd - drop and self.z < -z_min
+
+
+def compare(candidate: nn.Module, serving: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor,
+            metric: str = "greedy") -> Comparison:
+    """Paired BD comparison of two versions of a drafter on held-out records."""
+    index = 0 if metric == "greedy" else 1
+    a = _per_position(candidate, records, vocab_map)[index]  # (N,)
+    b = _per_position(serving, records, vocab_map)[index]
+    diff = (a - b).double()
+    se = float(diff.std(unbiased=True)) / math.sqrt(len(diff)) if len(diff) > 1 else float("inf")
+    z = float(diff.mean()) / se if se > 0 else (0.0 if float(diff.mean()) == 0 else math.copysign(float("inf"), float(diff.mean())))
+    return Comparison(float(a.mean()), float(b.mean()), z, len(diff))
 
 
 # --- the learner of one drafter variant ---------------------------------------------------------

@@ -6,9 +6,11 @@ record to its drafter *variant* with an online algorithm (drafters/online.py), a
 
 1. the variant's candidate weights are written to the model store as a new version;
 2. the candidate and the serving version are scored by BD on held-out recent feedback (records
-   picked by a hash of their id, never trained on); a drop beyond ``rollback_bd_drop`` rolls the
-   candidate back - it is marked in the store, the learner returns to the serving weights, and
-   the rollback is counted and logged - otherwise the candidate becomes the serving version;
+   picked by a hash of their id, never trained on), paired position by position; a drop beyond
+   ``rollback_bd_drop`` that is also significant (z below -``rollback_z``: small held-out sets
+   are noisy) rolls the candidate back - it is marked in the store, the learner returns to the
+   serving weights, and the rollback is counted and logged - otherwise it becomes the serving
+   version;
 3. the learner's checkpoint (weights, optimiser hints, Hedge weights, applied record ids, tenant
    budgets, held-out set) replaces the previous one;
 4. only then are the variant's records acknowledged.
@@ -50,9 +52,9 @@ from drafters.feedback import (
 )
 from drafters.hot_swap import DrafterSlot, learnable
 from drafters.model_store import SHARED_SCOPE, ModelStore, VariantKey, open_model_store
-from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, evaluate, make_batch
+from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, compare, make_batch
 from drafters.zoo_model import ZooLM
-from router.errors import ModelUnavailable, StoreUnavailable
+from router.errors import InvalidArgument, ModelUnavailable, StoreUnavailable
 from router.loop import RoundFeedback
 
 log = logging.getLogger("specpool.learner")
@@ -70,8 +72,10 @@ class LearningConfig:
     commit_after_s: float = 30.0  # ... or this long after its first uncommitted record
     holdout_every: int = 8  # one record in this many (by id hash) is held out, never trained on
     holdout_size: int = 64  # the most recent held-out records kept per variant
-    min_holdout: int = 4  # fewer held-out records than this: versions are promoted unchecked
-    rollback_bd_drop: float = 0.02  # a candidate whose held-out BD is lower by more is rolled back
+    min_holdout: int = 16  # fewer held-out records than this: versions are promoted unchecked
+    rollback_bd_drop: float = 0.02  # a candidate whose held-out BD is lower by more ...
+    rollback_z: float = 2.0  # ... and significantly so (paired z over positions) is rolled back
+    rollback_metric: str = "greedy"  # BD of greedy drafting (q one-hot) or "soft" (q = full softmax)
     budget_records: int = 0  # records one tenant may train on; 0 = unlimited
     budget_tokens: int = 0  # supervised positions one tenant may train on; 0 = unlimited
     shared_pool: bool = False  # True: every tenant trains (and is served) one shared variant
@@ -125,6 +129,8 @@ class Learner:
         clock: Callable[[], float] = time.monotonic,
     ):
         config.online.validate()
+        if config.rollback_metric not in ("greedy", "soft"):
+            raise InvalidArgument(f"rollback_metric is greedy or soft, not {config.rollback_metric!r}")
         self.config = config
         self.source = source
         self.store = store
@@ -327,21 +333,22 @@ class Learner:
         if variant.steps_since_commit > 0:
             tensors, metadata = variant.learner.serving_tensors()
             holdout = list(variant.holdout)
-            candidate_bd = serving_bd = None
+            candidate_bd = serving_bd = z = None
+            regressed = False
             if len(holdout) >= self.config.min_holdout:
-                vocab_map = variant.learner.vocab_map
-                candidate_bd = evaluate(build_served_model(variant.base, tensors, metadata), holdout, vocab_map).bd
-                serving_bd = evaluate(self._serving_model(variant), holdout, vocab_map).bd
+                comparison = compare(build_served_model(variant.base, tensors, metadata), self._serving_model(variant),
+                                     holdout, variant.learner.vocab_map, self.config.rollback_metric)
+                candidate_bd, serving_bd, z = comparison.candidate_bd, comparison.serving_bd, comparison.z
+                regressed = comparison.regressed(self.config.rollback_bd_drop, self.config.rollback_z)
             metadata.update(parent=variant.serving_version, heldout_bd=candidate_bd, parent_heldout_bd=serving_bd,
-                            heldout_records=len(holdout))
+                            heldout_z=z, heldout_records=len(holdout), heldout_metric=self.config.rollback_metric)
             version = self.store.publish(key, tensors, metadata)
             self.counters["published"] += 1
-            regressed = candidate_bd is not None and candidate_bd < serving_bd - self.config.rollback_bd_drop
             row = {"scope": key.scope, "drafter": key.drafter, "version": version, "parent": variant.serving_version,
-                   "heldout_bd": candidate_bd, "parent_heldout_bd": serving_bd}
+                   "heldout_bd": candidate_bd, "parent_heldout_bd": serving_bd, "z": z}
             if regressed:
-                reason = (f"held-out BD {candidate_bd:.4f} < serving version {variant.serving_version}'s "
-                          f"{serving_bd:.4f} - {self.config.rollback_bd_drop}")
+                reason = (f"held-out BD ({self.config.rollback_metric}) {candidate_bd:.4f} < serving version "
+                          f"{variant.serving_version}'s {serving_bd:.4f} - {self.config.rollback_bd_drop} (z = {z:.1f})")
                 self.store.mark_rolled_back(key, version, reason)
                 self.counters["rollbacks"] += 1
                 log.warning("learner: rolled back %s/%s version %d: %s", key.scope, key.drafter, version, reason)
@@ -389,10 +396,14 @@ class Learner:
 
 class LearnerThread:
     """Runs a ``Learner`` in the background (embedded mode). Other threads never touch the
-    learner directly: ``commit_now`` asks this thread to commit and waits for it."""
+    learner directly: ``commit_now`` asks this thread to commit and waits for it.
 
-    def __init__(self, learner: Learner):
+    ``continuous`` False: the thread learns only when asked (``commit_now``), never while
+    requests run - the CPU-time behaviour of a learner in its own process on other cores."""
+
+    def __init__(self, learner: Learner, continuous: bool = True):
         self.learner = learner
+        self.continuous = continuous
         self._stop = threading.Event()
         self._commit_wanted = threading.Event()
         self._committed = threading.Event()
@@ -412,10 +423,13 @@ class LearnerThread:
             log.exception("learner: recovery failed")
         while not self._stop.is_set():
             try:
-                self.learner.poll()
+                if self.continuous:
+                    self.learner.poll()
+                elif not self._commit_wanted.wait(0.2):
+                    continue
                 if self._commit_wanted.is_set():
                     self._commit_wanted.clear()
-                    self.learner.drain(max_polls=8)
+                    self.learner.drain(max_polls=8 if self.continuous else None)
                     self._committed.set()
             except Exception:  # noqa: BLE001 - keep learning; a broken store shows in the log
                 self.learner.counters["errors"] += 1
@@ -448,7 +462,7 @@ class EmbeddedLearning:
     new version.
     """
 
-    def __init__(self, config: LearningConfig, home: Path, start: bool = True):
+    def __init__(self, config: LearningConfig, home: Path, start: bool = True, continuous: bool = True):
         config.online.validate()
         self.config = config
         self.stream = InProcessFeedbackStream(config.queue_capacity)
@@ -458,7 +472,7 @@ class EmbeddedLearning:
         self._slots: dict[VariantKey, DrafterSlot] = {}
         self._lock = threading.Lock()
         self.learner = Learner(config, self.stream, self.store, self._base_model, on_promote=self._on_promote)
-        self.thread = LearnerThread(self.learner)
+        self.thread = LearnerThread(self.learner, continuous)
         if start:
             self.thread.start()
 

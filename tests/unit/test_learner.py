@@ -153,8 +153,9 @@ def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, record
 
 def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatch, caplog):
     stream = InProcessFeedbackStream(capacity=1000)
+    # The tiny drafter's greedy BD is ~0.02 whatever its weights: the soft BD is the signal here.
     learner = make_learner(tmp_path, stream, zoo_base, publish_every=12, holdout_every=3, min_holdout=3,
-                           rollback_bd_drop=0.02)
+                           rollback_bd_drop=0.02, rollback_metric="soft")
     held = [r for r in records if is_held_out(r.record_id, 3)]
     assert len(held) >= 6  # the test needs held-out records in both halves
     for record in records[:24]:
@@ -180,7 +181,7 @@ def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatc
         stream.emit(record.encode())
     with caplog.at_level("WARNING", logger="specpool.learner"):
         learner.drain()
-    assert learner.counters["rollbacks"] >= 1
+    assert learner.counters["rollbacks"] >= 1, learner.history
     assert "rolled back" in caplog.text
     assert store.serving(KEY) == good  # drafters keep serving the good version
     rolled = [row for row in learner.history if row["decision"] == "rolled_back"]
@@ -455,3 +456,22 @@ def test_learning_options():
     learner = add_learner_command(commands)
     args = learner.parse_args(["--drafters", "chat,code", "--learn-algorithm", "optimistic"])
     assert args.drafters == "chat,code" and learning_config_from_args(args, ("chat",)).online.algorithm == "optimistic"
+
+
+def test_learning_only_between_requests(home, model_dirs, zoo_spec, tmp_path, prompts):
+    """continuous=False: records wait in the stream while requests run; commit_now applies them."""
+    from services.learner import EmbeddedLearning
+
+    engine = EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))))
+    engine.learning = EmbeddedLearning(LearningConfig(store=str(tmp_path / "store"), holdout_every=0), home, continuous=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+        engine.generate(prompts[0], params, zoo_spec, k=4, tenant="a")
+        threading.Event().wait(0.3)  # the thread is alive, and idle
+        assert engine.learning.thread.alive and engine.learning.learner.counters["read"] == 0
+        assert engine.learning.stream.backlog() > 0
+        assert engine.learning.commit_now()
+        assert engine.learning.stream.backlog() == 0 and engine.learning.stream.pending() == 0
+        assert engine.learning.slot("a", zoo_spec).version >= 1
+    finally:
+        engine.learning.close()

@@ -375,7 +375,8 @@ def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
     served = build_served_model(zoo_base, tensors, metadata)
     served_after = evaluate(served, stream_records, learner.vocab_map)
     assert served_after.loss == pytest.approx(after, rel=1e-4)  # what is served is what was trained
-    assert served_after.bd > served_before.bd + 0.03
+    assert served_after.bd_soft > served_before.bd_soft + 0.03
+    assert served_after.agreement > served_before.agreement
     # The base network is untouched: learning trains copies.
     assert evaluate(zoo_base, stream_records, learner.vocab_map).loss == pytest.approx(served_before.loss)
 
@@ -457,3 +458,34 @@ def test_adagrad_preconditioned_learning_lowers_the_loss(zoo_base, stream_record
     restored = OnlineDrafterLearner(zoo_base, learner.config)
     restored.load_state_dict(learner.state_dict())  # G travels with the checkpoint
     assert all(torch.equal(a, b) for a, b in zip(restored.accumulated[0], learner.accumulated[0]))
+
+
+@pytest.mark.parametrize(
+    "candidate, serving, z, drop, z_min, regressed",
+    [
+        (0.30, 0.40, -5.0, 0.02, 2.0, True),  # worse, clearly
+        (0.30, 0.40, -1.0, 0.02, 2.0, False),  # worse, but within the noise of the held-out set
+        (0.39, 0.40, -9.0, 0.02, 2.0, False),  # significant, but smaller than the allowed drop
+        (0.45, 0.40, 5.0, 0.02, 2.0, False),  # better
+        (0.30, 0.40, -1.0, 0.02, 0.0, True),  # z_min 0: the drop alone decides
+    ],
+)
+def test_rollback_decision(candidate, serving, z, drop, z_min, regressed):
+    from drafters.online import Comparison
+
+    assert Comparison(candidate, serving, z, 100).regressed(drop, z_min) is regressed
+
+
+def test_compare_versions(zoo_base, stream_records):
+    from drafters.online import compare
+
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
+    same = compare(zoo_base, zoo_base, stream_records, learner.vocab_map, "soft")
+    assert same.candidate_bd == same.serving_bd and same.z == 0.0 and not same.regressed(0.0, 0.0)
+    for record in stream_records:
+        learner.step(make_batch([record], learner.vocab_map))
+    tensors, metadata = learner.serving_tensors()
+    better = compare(build_served_model(zoo_base, tensors, metadata), zoo_base, stream_records, learner.vocab_map, "soft")
+    assert better.candidate_bd > better.serving_bd and better.z > 2
+    greedy = compare(zoo_base, zoo_base, stream_records, learner.vocab_map, "greedy")
+    assert 0.0 <= greedy.serving_bd <= 1.0 and greedy.positions == sum(len(r.draft) for r in stream_records)
