@@ -14,8 +14,9 @@
 Derived rates (acceptance rate = accepted / draft tokens, tokens/s, ...) are the reader's job.
 
 Two backends with the same names and labels: ``RayMetrics`` (``ray.util.metrics``; each node's
-Ray metrics agent serves them in Prometheus format, prefixed ``ray_``, at
-``http://NODE:METRICS_EXPORT_PORT/metrics``: 9464 with `specpool serve`, 8080 on KubeRay pods) and
+Ray metrics agent serves them in Prometheus format at ``http://NODE:METRICS_EXPORT_PORT/metrics``,
+9464 with `specpool serve`, 8080 on KubeRay pods, as ``ray_specpool_rounds_total``,
+``ray_specpool_round_seconds_bucket``, ...) and
 ``PrometheusMetrics`` (``prometheus_client``, for a process outside Ray, and tests).
 """
 

@@ -81,6 +81,14 @@ def _home():
     return settings_from_env().home
 
 
+def _replica() -> dict:
+    """Which replica answered: its Ray actor name (namespace "serve") and replica id (tests)."""
+    import ray
+
+    return {"actor_name": ray.get_runtime_context().get_actor_name(),
+            "replica_id": serve.get_replica_context().replica_id.unique_id}
+
+
 def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids, as the embedded engine finds them (EmbeddedEngine.stop_token_ids)."""
     ids = {tokenizer.eos_token_id}
@@ -197,6 +205,9 @@ class TargetServer:
     async def Stats(self) -> dict:
         """Batches run by size: {size: count}."""
         return {"batch_sizes": dict(self._batch_sizes)}
+
+    async def Replica(self) -> dict:
+        return _replica()
 
 
 def build_target_app(args: dict | None = None):
@@ -420,11 +431,7 @@ class RouterServer:
         return self.core.active_sessions()
 
     async def Replica(self) -> dict:
-        """Which replica answered: its Ray actor name (namespace "serve") and replica id."""
-        import ray
-
-        return {"actor_name": ray.get_runtime_context().get_actor_name(),
-                "replica_id": serve.get_replica_context().replica_id.unique_id}
+        return _replica()
 
 
 def build_router_app(args: dict | None = None):

@@ -319,17 +319,39 @@ def test_cli_client_generate(served, reference):
     assert set(result) == {"text", "token_ids", "finish_reason", "stats", "session_id"}
 
 
-# -- failover (last: it replaces the router) ------------------------------------------------------------------
-def test_a_session_continues_after_its_router_replica_is_replaced(served, client, reference, raw_redis):
+# -- failover (last: they replace replicas) --------------------------------------------------------------------
+def _kill_replica(handle) -> dict:
     import ray
 
+    old = _call(handle, "Replica")
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    return old
+
+
+def test_a_session_survives_losing_the_target_replica_that_holds_its_cache(served, client, reference):
+    """Mid-generation the target replica holding the session's KV cache dies; the round is retried
+    on its replacement, which re-prefills from the full context: the answer is still exact."""
+    session = f"survive-{uuid.uuid4().hex[:8]}"
+    expected = reference(PROMPTS[2], 48)
+    tokens: list[int] = []
+    killed = None
+    for chunk in client.generate_stream(PROMPTS[2], max_new_tokens=48, session_id=session, timeout=300):
+        tokens.extend(chunk.token_ids)
+        if killed is None and len(tokens) >= 8:
+            assert session in _call(served.handles.target, "Sessions")
+            killed = _kill_replica(served.handles.target)
+    assert killed is not None
+    assert tokens == expected
+    assert _call(served.handles.target, "Replica")["replica_id"] != killed["replica_id"]
+
+
+def test_a_session_continues_after_its_router_replica_is_replaced(served, client, reference, raw_redis):
     tenant, session = f"fail-{uuid.uuid4().hex[:6]}", "s-1"
     key = f"{served.namespace}:{{{tenant}}}:session:{session}"
     first = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)
     assert first.token_ids == reference(PROMPTS[0])
     t1 = json.loads(raw_redis.get(key))["t"]
-    old = _call(served.handles.router, "Replica")
-    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    old = _kill_replica(served.handles.router)
 
     def replaced():
         try:
