@@ -53,15 +53,6 @@ def command_line(args: argparse.Namespace) -> str:
     ])
 
 
-def _open_store(spec: str):
-    """The bench's own namespace in Redis, so a run starts from empty tenant statistics."""
-    from router.session_store import RedisSessionStore, open_store
-
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisSessionStore(spec, namespace=f"specpool-bench-{uuid.uuid4().hex[:8]}")
-    return open_store(spec)
-
-
 def run_policy_bench(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
@@ -83,7 +74,10 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     random.Random(args.seed).shuffle(questions)  # a mixed stream: domains interleave
     out = Path(args.out).expanduser()
     check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
-    store = _open_store(args.store)
+    from router.session_store import open_store
+
+    # The run's own Redis namespace, so it starts from empty tenant statistics.
+    store = open_store(args.store, namespace=f"specpool-bench-{uuid.uuid4().hex[:8]}")
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"specpool bench: loading {args.target} and pool {', '.join(pool)} ...", file=sys.stderr)

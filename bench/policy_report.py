@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bench.report import ALL, TARGET, summarize
+from bench.report import ALL, TARGET, group_records, summarize
 
 FIXED_PREFIX = "fixed:"
 ORACLE = "oracle"
@@ -113,14 +113,7 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
     speed = {(r["system"], r["prompt_index"]): _tps(r) for r in records}
     fixed_best = best_fixed(records)
     st_best = stopping_time_best(records)
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    categories: dict[str, None] = {}
-    systems: dict[str, None] = {}
-    for r in records:
-        categories.setdefault(r["category"], None)
-        systems.setdefault(r["system"], None)
-        groups[(r["category"], r["system"])].append(r)
-        groups[(ALL, r["system"])].append(r)
+    groups, categories, systems = group_records(records)
 
     def ratio(r: dict, other: str | None) -> float | None:
         a, b = speed[(r["system"], r["prompt_index"])], speed.get((other, r["prompt_index"]))

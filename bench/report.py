@@ -61,10 +61,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def aggregate(records: Sequence[dict]) -> list[dict]:
-    """One row per (category, system), categories in first-seen order then ``all``; systems in
-    first-seen order. Rows of categories without a target-only run have no speedups."""
-    speed = {(r["system"], r["prompt_index"]): tokens_per_s(r) for r in records}
+def group_records(records: Sequence[dict]) -> tuple[dict[tuple[str, str], list[dict]], list[str], list[str]]:
+    """Records by (category, system), with an ``all`` pseudo-category; categories and systems
+    in first-seen order."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     categories: dict[str, None] = {}
     systems: dict[str, None] = {}
@@ -73,6 +72,14 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
         systems.setdefault(r["system"], None)
         groups[(r["category"], r["system"])].append(r)
         groups[(ALL, r["system"])].append(r)
+    return groups, list(categories), list(systems)
+
+
+def aggregate(records: Sequence[dict]) -> list[dict]:
+    """One row per (category, system), categories in first-seen order then ``all``; systems in
+    first-seen order. Rows of categories without a target-only run have no speedups."""
+    speed = {(r["system"], r["prompt_index"]): tokens_per_s(r) for r in records}
+    groups, categories, systems = group_records(records)
 
     rows = []
     for category in [*categories, ALL]:

@@ -362,12 +362,13 @@ class RedisSessionStore:
             self._client.close()
 
 
-def open_store(spec: str, ttl_s: float = 3600.0) -> SessionStore:
-    """The store a ``--store`` value names: "memory", or a Redis URL (redis://, rediss://, unix://)."""
+def open_store(spec: str, ttl_s: float = 3600.0, namespace: str = "specpool") -> SessionStore:
+    """The store a ``--store`` value names: "memory", or a Redis URL (redis://, rediss://, unix://).
+    ``namespace`` prefixes Redis keys (a benchmark run uses its own, to start from empty stats)."""
     if spec == "memory":
         return InMemorySessionStore(ttl_s=ttl_s)
     if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisSessionStore(spec, ttl_s=ttl_s)
+        return RedisSessionStore(spec, ttl_s=ttl_s, namespace=namespace)
     shown = re.sub(r"[^/@]*@", "***@", spec)  # a mistyped URL may still carry a password
     raise InvalidArgument(
         f"unknown session store {shown!r}: use 'memory' or a Redis URL "

@@ -22,16 +22,12 @@ from services.learner import Learner, LearningConfig
 
 pytestmark = pytest.mark.integration
 
-URL = "redis://127.0.0.1:6379/0"
+from redis_helpers import URL, connect_or_skip
 
 
 @pytest.fixture(scope="module")
 def raw() -> redis.Redis:
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"no Redis at {URL} ({exc}); start redis-server to run these tests")
+    client = connect_or_skip(decode_responses=False)
     yield client
     client.close()
 

@@ -30,7 +30,7 @@ from services.gen.specpool.v1 import specpool_pb2, specpool_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
-URL = "redis://127.0.0.1:6379/0"
+from redis_helpers import URL, connect_or_skip
 POOL = ["ngram", "code"]
 MAX_NEW = 24
 K = 5
@@ -61,11 +61,7 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
 
 @pytest.fixture(scope="module")
 def raw_redis():
-    client = redis.Redis.from_url(URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"no Redis at {URL} ({exc}); start redis-server to run these tests")
+    client = connect_or_skip(decode_responses=True)
     yield client
     client.close()
 

@@ -22,17 +22,13 @@ from store_contract import CONTRACT, assert_exact_counts, run_concurrent
 
 pytestmark = pytest.mark.integration
 
-URL = "redis://127.0.0.1:6379/0"
+from redis_helpers import URL, connect_or_skip
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 @pytest.fixture(scope="module")
 def raw() -> redis.Redis:
-    client = redis.Redis.from_url(URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"no Redis at {URL} ({exc}); start redis-server to run these tests")
+    client = connect_or_skip(decode_responses=True)
     yield client
     client.close()
 
