@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 
 def rope_tables(config: ZooConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (T, head_dim) for rotary embeddings at ``positions`` (T,)."""
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=positions.device) / config.head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
     return emb.cos(), emb.sin()

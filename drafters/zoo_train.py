@@ -61,6 +61,9 @@ class TrainConfig:
     teacher_top_k: int = 20  # teacher distribution entries kept per position
     teacher_batch: int = 32  # prompts per batched generate call (~5x the tokens/s of one at a time on 2 cores)
     save_every: int = 100  # checkpoint period, in steps
+    val_every: int = 0  # steps between held-out loss checks (0: at every save); the best weights are kept
+    time_limit_s: float = 0.0  # stop at the first save after this much training time (0: no limit)
+    teacher_time_limit_s: float = 0.0  # start no new teacher batch after this long; train on what is there
     init_layers: tuple[int, ...] = (0, 1)  # target layers that warm-start the drafter's blocks
     num_layers: int = 2  # drafter blocks
     intermediate_size: int = 768  # drafter MLP width (capped by the target's)
@@ -113,6 +116,7 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
     position. One shard per batch, written atomically, so an interrupted run loses at most the
     batch in flight and a rerun answers only what is missing.
     """
+    entered = time.perf_counter()  # the time limit counts from here, encoding included
     store.mkdir(parents=True, exist_ok=True)
     index = teacher_index(store)
     missing = [p for p in dict.fromkeys(prompts) if prompt_hash(p) not in index]
@@ -122,8 +126,11 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc=f"teacher answers ({config.domain})",
                unit="prompt", dynamic_ncols=True)
     tokens_done, started = 0, time.perf_counter()
-    next_number = len(list(store.glob("shard-*.safetensors")))
     for first in range(0, len(missing), config.teacher_batch):
+        if config.teacher_time_limit_s and time.perf_counter() - entered > config.teacher_time_limit_s:
+            print(f"teacher time limit reached: {len(missing) - first} prompts left unanswered "
+                  "(rerun to answer them)", flush=True)
+            break
         batch = missing[first:first + config.teacher_batch]
         width = max(len(encoded[p]) for p in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -136,8 +143,12 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
             max_new_tokens=config.max_new_tokens, do_sample=False, output_logits=True,
             return_dict_in_generate=True, pad_token_id=pad, eos_token_id=list(stop_token_ids),
         )
-        logits = torch.stack(out.logits, dim=1).float()  # (B, T, V)
-        top_p, top_ids = torch.softmax(logits, dim=-1).topk(config.teacher_top_k, dim=-1)  # (B, T, K)
+        # Top-K one step at a time: stacking (B, T, V) first would need B*T*V floats at once
+        # (19 GB for a 512-prompt batch on a GPU), the per-step tops only B*T*K.
+        tops = [torch.softmax(step.float(), dim=-1).topk(config.teacher_top_k, dim=-1) for step in out.logits]
+        top_p = torch.stack([t.values for t in tops], dim=1)  # (B, T, K)
+        top_ids = torch.stack([t.indices for t in tops], dim=1)  # (B, T, K)
+        del tops
         answers = out.sequences[:, width:].cpu()  # (B, T)
         tokens, offsets, starts, label_ids, label_probs = [], [0], [], [], []
         for row, p in enumerate(batch):
@@ -149,8 +160,10 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
             label_ids.append(top_ids[row, :end].cpu())
             label_probs.append(top_p[row, :end].cpu())
             tokens_done += end
-        shard = store / f"shard-{next_number:05d}.safetensors"
-        next_number += 1
+        # Named by its prompts, not by a counter: runs of several domains can fill one store at
+        # the same time (their prompts differ) without clobbering each other's shards.
+        batch_key = hashlib.sha256(",".join(str(prompt_hash(p)) for p in batch).encode()).hexdigest()[:16]
+        shard = store / f"shard-{batch_key}.safetensors"
         _atomic_save({
             "prompt_hashes": torch.tensor([prompt_hash(p) for p in batch], dtype=torch.int64),  # (n,)
             "tokens": torch.tensor(tokens, dtype=torch.int32),  # all sequences, concatenated
@@ -202,6 +215,17 @@ def load_teacher(prompts: list[str], index: dict[int, tuple[Path, int]]) -> list
             by_key[(shard, row)] = Sequence(data["tokens"][offsets[row]:offsets[row + 1]].long(), starts[row],
                                             data["label_ids"][a:b].long(), data["label_probs"][a:b].float())
     return [by_key[index[prompt_hash(p)]] for p in prompts]
+
+
+def split_heldout(prompts: list[str], fraction: float = 0.05) -> tuple[list[str], list[str]]:
+    """(train, held-out) prompts. Held-out membership is a function of the prompt's hash, so it
+    stays the same whatever order or subset the corpus yields; none held out below 20 prompts."""
+    if len(prompts) < 20:
+        return prompts, []
+    modulus = max(int(round(1 / fraction)), 2)
+    heldout = [p for p in prompts if prompt_hash(p) % modulus == 0]
+    train = [p for p in prompts if prompt_hash(p) % modulus != 0]
+    return (train, heldout) if train and heldout else (prompts, [])
 
 
 # --- 2. reduced vocabulary ------------------------------------------------------------------
@@ -278,6 +302,10 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     losses: list[float] = field(default_factory=list)  # mean loss per save period
+    stopped_by_time_limit: bool = False
+    val_losses: list[float] = field(default_factory=list)  # held-out loss at each check
+    best_val: float = float("inf")
+    best_step: int = 0
 
 
 def _lr(step: int, config: TrainConfig) -> float:
@@ -287,18 +315,21 @@ def _lr(step: int, config: TrainConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def save_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+def save_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer, state: TrainState,
+                    best: dict[str, torch.Tensor] | None = None) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state)}, tmp)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
+                "best": best}, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer) -> TrainState:
+def load_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer
+                    ) -> tuple[TrainState, dict[str, torch.Tensor] | None]:
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = torch.load(path, map_location=model.device, weights_only=False)
         model.load_state_dict(data["model"])
         optimizer.load_state_dict(data["optimizer"])
-        return TrainState(**data["state"])
+        return TrainState(**data["state"]), data.get("best")
     except Exception as exc:  # noqa: BLE001 - any failure here means the same to the user
         raise TrainingError(
             f"checkpoint {path} is corrupted or incompatible ({type(exc).__name__}: {exc}); "
@@ -306,23 +337,55 @@ def load_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer) 
         ) from exc
 
 
+@torch.no_grad()
+def heldout_loss(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor, config: TrainConfig,
+                 batch_size: int = 32) -> float:
+    """Distillation loss on held-out sequences, weighted by answer positions."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for first in range(0, len(sequences), batch_size):
+        batch = [trim_context(s, config.train_context_tokens) for s in sequences[first:first + batch_size]]
+        inputs, ids, probs, mask = (t.to(model.device) for t in collate(batch, vocab_map))
+        hidden = model.hidden(inputs)[mask]
+        n = int(mask.sum())
+        total += float(distillation_loss(model.reduced_logits(hidden), ids[mask], probs[mask])) * n
+        count += n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
 def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor, config: TrainConfig,
-                checkpoint: Path | None, resume: bool, until: int | None = None) -> TrainState:
-    """Run (or continue) distillation up to step ``until`` (default ``config.steps``)."""
+                checkpoint: Path | None, resume: bool, until: int | None = None,
+                heldout: list[Sequence] | None = None) -> TrainState:
+    """Run (or continue) distillation up to step ``until`` (default ``config.steps``).
+
+    With ``heldout`` sequences, the loss on them is checked every ``val_every`` steps (default:
+    at each save) and the model ends with the weights of the best check (early stopping by
+    selection: long runs on a small domain cannot end overfitted). The best weights travel in the
+    checkpoint, so a resumed run selects exactly as a straight one.
+    """
     torch.manual_seed(config.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    state = TrainState()
+    state, best = TrainState(), None
     if resume and checkpoint is not None and checkpoint.exists():
-        state = load_checkpoint(checkpoint, model, optimizer)
+        state, best = load_checkpoint(checkpoint, model, optimizer)
+        state.stopped_by_time_limit = False
     until = config.steps if until is None else until
+    val_every = config.val_every or config.save_every
+    if model.device.type == "cuda":
+        # TF32 matmuls for the drafter's training on a GPU (~8x fp32 speed); the teacher's
+        # answers were made before, in full fp32. Restored on the way out.
+        previous_precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
     model.train()
     bar = tqdm(total=until, initial=state.step, desc=f"distil {config.domain}", unit="step", dynamic_ncols=True)
     window_loss, window_steps, started, window_tokens = 0.0, 0, time.perf_counter(), 0
     while state.step < until:
         batch = [trim_context(sequences[i], config.train_context_tokens)
                  for i in batch_indices(state.step, len(sequences), config.batch_size, config.seed)]
-        inputs, ids, probs, mask = collate(batch, vocab_map)
+        inputs, ids, probs, mask = (t.to(model.device, non_blocking=True) for t in collate(batch, vocab_map))
         for group in optimizer.param_groups:
             group["lr"] = _lr(state.step, config)
         hidden = model.hidden(inputs)[mask]  # (N, d): the head runs on answer positions only
@@ -338,12 +401,28 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         window_steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{window_tokens / (time.perf_counter() - started):.0f}")
+        if heldout and (state.step % val_every == 0 or state.step == config.steps):
+            val = heldout_loss(model, heldout, vocab_map, config)
+            state.val_losses.append(round(val, 4))
+            if val < state.best_val:
+                state.best_val, state.best_step = val, state.step
+                best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val:.3f}", best_step=state.best_step)
         if state.step % config.save_every == 0 or state.step == until:
             state.losses.append(window_loss / window_steps)
             window_loss, window_steps = 0.0, 0
             if checkpoint is not None:
-                save_checkpoint(checkpoint, model, optimizer, state)
+                save_checkpoint(checkpoint, model, optimizer, state, best)
+            if config.time_limit_s and time.perf_counter() - started > config.time_limit_s and state.step < until:
+                state.stopped_by_time_limit = True
+                print(f"time limit of {config.time_limit_s:.0f} s reached at step {state.step}; "
+                      "stopping (rerun with --resume to continue)", flush=True)
+                break
     bar.close()
+    if model.device.type == "cuda":
+        torch.set_float32_matmul_precision(previous_precision)
+    if best is not None and (state.step == config.steps or state.stopped_by_time_limit):
+        model.load_state_dict(best)  # the finished run ships its best held-out weights
     model.eval()
     return state
 
@@ -404,6 +483,12 @@ def export_drafter(model: ZooLM, out: Path, metadata: dict, card: str) -> None:
         raise
 
 
+def _heldout_cell(metadata: dict) -> str:
+    if metadata.get("best_heldout_loss") is None:
+        return "none held out"
+    return f"{metadata['best_heldout_loss']:.4f} at step {metadata['best_step']} ({metadata['heldout_prompts']} prompts)"
+
+
 def model_card(metadata: dict) -> str:
     lines = [
         f"# specpool zoo drafter: {metadata['name']}",
@@ -419,6 +504,7 @@ def model_card(metadata: dict) -> str:
         f"| steps | {metadata['steps']} |",
         f"| tokens seen (answer positions) | {metadata['tokens_seen']} |",
         f"| final loss | {metadata['final_loss']:.4f} |",
+        f"| held-out loss (best, at step) | {_heldout_cell(metadata)} |",
         f"| own parameters | {metadata['own_parameters']} |",
         f"| reduced vocabulary | {metadata['model']['reduced_vocab']} tokens |",
         f"| seed | {metadata['seed']} |",
@@ -452,8 +538,13 @@ def zoo_config_for(target_config, config: TrainConfig) -> ZooConfig:
 
 
 def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
-                  device: str = "cpu") -> dict:
-    """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata."""
+                  device: str = "cpu", teacher_only: bool = False) -> dict:
+    """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata.
+
+    ``device`` runs both the teacher (in float32: its greedy answers are what the drafter must
+    predict) and the distillation there. ``teacher_only`` stops after the teacher data is in the
+    store and returns a summary of it (precompute once, train many).
+    """
     from target.models import ModelConfig, load_causal_lm, resolve_model, tokenizer_fingerprint
 
     check_domain(config.domain)
@@ -466,17 +557,28 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
                         ("--max-prompts", config.max_prompts), ("--max-new-tokens", config.max_new_tokens)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
-    check_output_dir(out)
+    if not teacher_only:
+        check_output_dir(out)
     prompts = collect_prompts([Path(p) for p in config.data], config.max_prompts, config.seed)
 
-    target, tokenizer = load_causal_lm(ModelConfig(target_name, device), home)
+    target, tokenizer = load_causal_lm(ModelConfig(target_name, device, dtype="float32"), home)
     fingerprint = tokenizer_fingerprint(tokenizer)
     stop_ids = tuple(sorted({tokenizer.eos_token_id}))
     store = home / "zoo" / "teacher" / teacher_store_key(config, fingerprint)
     index = generate_teacher(target, tokenizer, prompts, store, config, stop_ids)
-    sequences = load_teacher(prompts, index)
+    answered = [p for p in prompts if prompt_hash(p) in index]  # all, unless a teacher time limit cut it
+    if len(answered) < len(prompts):
+        print(f"{config.domain}: training on the {len(answered)} of {len(prompts)} prompts the target has answered",
+              flush=True)
+    prompts = answered
+    train_prompts, heldout_prompts = split_heldout(prompts)
+    sequences = load_teacher(train_prompts, index)
+    heldout = load_teacher(heldout_prompts, index)
     if not sequences:
         raise TrainingError("the target produced no teacher data")
+    if teacher_only:
+        return {"domain": config.domain, "store": str(store), "teacher_prompts": len(prompts),
+                "teacher_tokens": int(sum(len(s.label_ids) for s in sequences + heldout))}
 
     torch.manual_seed(config.seed)
     target_state = load_file(str(Path(resolve_model(target_name, home)) / "model.safetensors"))
@@ -487,6 +589,7 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     last = target.config.num_hidden_layers - 1
     init_from_target_layers(model, target_state, [min(i, last) for i in config.init_layers][: zoo_config.num_layers])
     del target, target_state
+    model.to(device)
     vocab_map = torch.full((embedding.shape[0],), -1, dtype=torch.long)
     vocab_map[vocab_ids] = torch.arange(len(vocab_ids))
 
@@ -496,7 +599,8 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     checkpoint = checkpoint_dir / f"{config.domain}-{run_key}.pt"
     if not resume and checkpoint.exists():
         checkpoint.unlink()
-    state = train_steps(model, sequences, vocab_map, config, checkpoint, resume)
+    state = train_steps(model, sequences, vocab_map, config, checkpoint, resume, heldout=heldout)
+    model.to("cpu")
 
     metadata = {
         "name": out.name,
@@ -509,10 +613,16 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
         "data": [str(p) for p in config.data],
         "teacher_prompts": len(sequences),
         "teacher_tokens": int(sum(len(s.label_ids) for s in sequences)),
+        "heldout_prompts": len(heldout),
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
         "final_loss": state.losses[-1] if state.losses else float("nan"),
         "loss_curve": [round(x, 4) for x in state.losses],
+        "heldout_loss_curve": state.val_losses,
+        "best_heldout_loss": round(state.best_val, 4) if state.val_losses else None,
+        "best_step": state.best_step if state.val_losses else state.step,
+        "stopped_by_time_limit": state.stopped_by_time_limit,
+        "device": str(device),
         "seed": config.seed,
         "train_config": {k: v for k, v in asdict(config).items() if k != "data"},
     }

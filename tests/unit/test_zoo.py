@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from drafters.ngram import best_draft_length
 from drafters.zoo import ZooDrafter, load_zoo_model
 from drafters.zoo_data import CODE_INSTRUCTION, DOMAINS, MAX_PROMPT_CHARS, collect_prompts, read_prompts
-from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
+from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers, rope_tables
 from drafters.zoo_train import (
     Sequence,
     TrainConfig,
@@ -37,7 +37,9 @@ from drafters.zoo_train import (
     distillation_loss,
     export_drafter,
     generate_teacher,
+    heldout_loss,
     load_teacher,
+    split_heldout,
     teacher_store_key,
     train_drafter,
     train_steps,
@@ -801,3 +803,125 @@ def test_best_draft_length_matches_brute_force_and_is_monotone():
         assert lengths == sorted(lengths), (cost, lengths)  # more acceptance, never a shorter draft
         assert lengths[0] == 1 and lengths[-1] == 10
         assert lengths == [brute(a / 50, 10, cost) for a in range(51)]
+
+
+# --- held-out selection, time limits, teacher-only, device ------------------------------------
+
+
+def test_split_heldout_is_a_function_of_each_prompt():
+    prompts = [f"prompt number {i}" for i in range(400)]
+    train, heldout = split_heldout(prompts)
+    assert sorted(train + heldout) == sorted(prompts) and not set(train) & set(heldout)
+    assert 8 <= len(heldout) <= 40  # ~5 %
+    # Any order or superset of the corpus holds out the same prompts.
+    shuffled = prompts[::-1] + [f"another {i}" for i in range(50)]
+    assert set(heldout) <= set(split_heldout(shuffled)[1])
+    assert split_heldout(prompts[:19]) == (prompts[:19], [])  # too few to hold any out
+
+
+def _permuted_labels(sequences: list[Sequence], vocab_size: int) -> list[Sequence]:
+    """The same sequences with every teacher label moved to another token."""
+    return [Sequence(s.tokens, s.answer_start, (s.label_ids + 7) % vocab_size, s.label_probs) for s in sequences]
+
+
+def test_heldout_selection_ships_the_best_checked_weights(pipeline, monkeypatch):
+    """Held-out losses injected as 3, 1, 2, 4 at steps 3, 6, 9, 12: the model must end with the
+    weights it had at step 6 (those of an identical run stopped there), not step 12's."""
+    p = pipeline
+    config = dataclasses.replace(p.config, steps=12, save_every=3)
+    reference = p.fresh_model()
+    train_steps(reference, p.sequences, p.vocab_map, config, checkpoint=None, resume=False, until=6)
+
+    injected = iter([3.0, 1.0, 2.0, 4.0])
+    monkeypatch.setattr("drafters.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
+    model = p.fresh_model()
+    state = train_steps(model, p.sequences, p.vocab_map, config, None, False, heldout=p.sequences[:2])
+    assert state.val_losses == [3.0, 1.0, 2.0, 4.0] and state.best_step == 6 and state.step == 12
+    for name, value in reference.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_heldout_loss_is_the_distillation_loss_on_those_sequences(pipeline):
+    p = pipeline
+    model = p.fresh_model()
+    own = heldout_loss(model, p.sequences[:4], p.vocab_map, p.config)
+    other = heldout_loss(model, _permuted_labels(p.sequences[:4], p.vocab_map.shape[0]), p.vocab_map, p.config)
+    assert math.isfinite(own) and own > 0 and own != pytest.approx(other)
+
+
+def test_resume_with_heldout_selects_exactly_as_a_straight_run(pipeline, tmp_path):
+    p = pipeline
+    heldout = _permuted_labels(p.sequences[:4], p.vocab_map.shape[0])
+    config = dataclasses.replace(p.config, steps=12, save_every=3)
+    straight = p.fresh_model()
+    straight_state = train_steps(straight, p.sequences, p.vocab_map, config, None, False, heldout=heldout)
+    checkpoint = tmp_path / "run.pt"
+    train_steps(p.fresh_model(), p.sequences, p.vocab_map, config, checkpoint, False, until=6, heldout=heldout)
+    resumed = p.fresh_model()
+    resumed_state = train_steps(resumed, p.sequences, p.vocab_map, config, checkpoint, True, heldout=heldout)
+    assert resumed_state.val_losses == straight_state.val_losses
+    assert resumed_state.best_step == straight_state.best_step
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+def test_time_limit_stops_at_a_checkpoint_and_resume_finishes(pipeline, tmp_path):
+    p = pipeline
+    config = dataclasses.replace(p.config, steps=12, save_every=3, time_limit_s=1e-6)
+    checkpoint = tmp_path / "run.pt"
+    state = train_steps(p.fresh_model(), p.sequences, p.vocab_map, config, checkpoint, False)
+    assert state.step == 3 and state.stopped_by_time_limit
+    unlimited = dataclasses.replace(config, time_limit_s=0.0)
+    resumed = train_steps(p.fresh_model(), p.sequences, p.vocab_map, unlimited, checkpoint, True)
+    assert resumed.step == 12 and not resumed.stopped_by_time_limit
+
+
+def test_teacher_only_then_a_teacher_time_limit_trains_on_what_is_answered(tmp_path, corpus, model_dirs):
+    home, target = tmp_path / "home", str(model_dirs.target)
+    out = tmp_path / "out"
+    few = tiny_config(corpus, max_prompts=6, steps=2)
+    summary = train_drafter(few, home, out, resume=False, target_name=target, teacher_only=True)
+    assert summary["teacher_prompts"] == 6 and summary["teacher_tokens"] > 0
+    assert not out.exists()  # teacher-only writes no drafter
+    # 12 prompts asked, no time to answer new ones: trains on the 6 answered before.
+    more = tiny_config(corpus, max_prompts=12, steps=2, teacher_time_limit_s=1e-9)
+    metadata = train_drafter(more, home, out, resume=False, target_name=target)
+    assert metadata["teacher_prompts"] == 6
+    assert metadata["device"] == "cpu" and model_files_in(out) == MODEL_FILES
+
+
+def test_teacher_shards_are_named_by_their_prompts(tmp_path, corpus, model_dirs):
+    """Two runs filling one store (as parallel domain runs do) never overwrite each other."""
+    config = tiny_config(corpus, teacher_batch=4)
+    target, tokenizer = load_causal_lm(ModelConfig(str(model_dirs.target)), tmp_path)
+    prompts = collect_prompts([Path(p) for p in config.data], 12, 0)
+    store = tmp_path / "store"
+    stop_ids = (tokenizer.eos_token_id,)
+    generate_teacher(target, tokenizer, prompts[:4], store, config, stop_ids)
+    generate_teacher(target, tokenizer, prompts[4:8], store, config, stop_ids)
+    index = generate_teacher(target, tokenizer, prompts[:8], store, config, stop_ids)  # nothing new
+    assert len(list(store.glob("shard-*.safetensors"))) == 2
+    assert len(load_teacher(prompts[:8], index)) == 8
+
+
+def test_rope_tables_follow_the_positions_device():
+    """Regression: the inverse frequencies were made on the CPU, so a drafter on a GPU failed."""
+    cos, sin = rope_tables(ZooConfig(hidden_size=32, num_heads=4), torch.arange(5, device="meta"))
+    assert cos.device.type == "meta" and cos.shape == (5, 8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_zoo_train_cli_cuda_without_a_gpu(cli, corpus, tmp_path):
+    code, out, err = cli("zoo", "train", "--domain", "chat", "--data", str(corpus), "--device", "cuda",
+                         "--out", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "cuda", "no CUDA GPU")
+    assert model_files_in(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "0"), ("--teacher-batch", "0"), ("--save-every", "0"),
+                                         ("--context-tokens", "0"), ("--warmup", "0")])
+def test_zoo_train_cli_bad_training_options(cli, corpus, tmp_path, flag, value):
+    code, out, err = cli("zoo", "train", "--domain", "chat", "--data", str(corpus), flag, value,
+                         "--out", str(tmp_path / "out"))
+    assert_one_line_error(code, err, flag)
+    assert model_files_in(tmp_path / "out") == []
