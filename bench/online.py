@@ -35,7 +35,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from router.errors import check
+from router.errors import InvalidArgument, check
 
 SYSTEMS = ("frozen", "ogd", "optimistic", "hedge")
 SEGMENTS = ("first_third", "last_third", "all")
@@ -169,12 +169,64 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command_line(args: argparse.Namespace) -> str:
+    if getattr(args, "via_specpool", False):  # the same run, as `specpool bench --online` spells it
+        head = ["specpool", "bench", "--online", "--prompts", args.corpus, "--limit", str(args.limit), "--drafters", args.drafter]
+    else:
+        head = ["python", "-m", "bench.online", "--corpus", args.corpus, "--limit", str(args.limit), "--drafter", args.drafter]
     return shlex.join([
-        "python", "-m", "bench.online", "--corpus", args.corpus, "--limit", str(args.limit), "--drafter", args.drafter,
+        *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition, "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []), *(["--target", args.target] if args.target else []),
     ])
+
+
+# --- `specpool bench --online`: the same benchmark from the main command -------------------------
+
+# Options of `specpool bench` whose default differs under --online: their bench defaults are None,
+# and each mode fills in its own (bench/speed.py resolve_bench_defaults).
+ONLINE_DEFAULTS = {"drafters": "chat", "max_new_tokens": 64, "out": "bench/results/online"}
+
+
+def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--online`` and the options only it uses, on the ``specpool bench`` parser. Shared options
+    keep their bench names: --prompts is the corpus (a text file or folder), --drafters the one
+    drafter every system starts from, -k, --max-new-tokens, --out, --target, --device, --dtype."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_online_arguments(defaults)
+    d = vars(defaults.parse_args([]))
+    group = parser.add_argument_group(
+        "online learning (bench/online.py)",
+        "drafters learning on a stream from an unseen domain; --prompts is then "
+        f"the corpus (text file or folder, e.g. ../shared/data/prose/gutenberg), --drafters one zoo drafter "
+        f"(default {ONLINE_DEFAULTS['drafters']}), --max-new-tokens defaults to {ONLINE_DEFAULTS['max_new_tokens']}, "
+        f"--out to {ONLINE_DEFAULTS['out']}")
+    group.add_argument("--online", action="store_true", help="switch to the online learning benchmark (frozen vs ogd, optimistic, hedge)")
+    group.add_argument("--limit", type=int, default=d["limit"], help=f"prompts in the stream (default {d['limit']})")
+    group.add_argument("--systems", default=d["systems"], help=f"comma-separated, from {','.join(SYSTEMS)} (default all)")
+    group.add_argument("--lr", type=float, default=d["lr"], help=f"OGD / optimistic OGD step size (default {d['lr']})")
+    group.add_argument("--hedge-lrs", default=d["hedge_lrs"], help=f"the Hedge members' step sizes (default {d['hedge_lrs']})")
+    group.add_argument("--precondition", choices=("none", "adagrad"), default=d["precondition"], help="per-coordinate steps (adagrad)")
+    group.add_argument("--batch-records", type=int, default=d["batch_records"],
+                       help=f"feedback records per gradient step (default {d['batch_records']})")
+    group.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between requests)")
+
+
+def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
+    """The ``python -m bench.online`` namespace a ``specpool bench --online`` command stands for."""
+    if args.policies is not None:
+        raise InvalidArgument("give either --online or --policies, not both")
+    if args.in_domain:
+        raise InvalidArgument("--in-domain does not apply to --online (every system starts from --drafters)")
+    drafters = [d.strip() for d in (args.drafters or ONLINE_DEFAULTS["drafters"]).split(",") if d.strip()]
+    check(len(drafters) == 1, f"--online trains one drafter; give one in --drafters, got {args.drafters!r}")
+    return argparse.Namespace(
+        corpus=args.prompts, limit=args.limit, drafter=drafters[0], systems=args.systems, k=args.k,
+        max_new_tokens=ONLINE_DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
+        lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
+        concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
+        target=args.target, device=args.device, dtype=args.dtype, via_specpool=True,
+    )
 
 
 def run_online_bench(args: argparse.Namespace, settings) -> int:
@@ -191,14 +243,19 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     check(args.limit >= 3, f"--limit must be >= 3 (the report compares thirds), got {args.limit}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")
-    hedge_lrs = tuple(float(x) for x in args.hedge_lrs.split(","))
+    try:
+        hedge_lrs = tuple(float(x) for x in args.hedge_lrs.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--hedge-lrs takes comma-separated numbers, got {args.hedge_lrs!r}") from None
     prompts = stream_prompts(Path(args.corpus).expanduser(), args.limit)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target = args.target or DEFAULT_TARGET
 
     print(f"specpool bench --online: {len(prompts)} prompts, drafter {args.drafter}, systems {', '.join(systems)}", file=sys.stderr)
-    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(target, args.device), drafter_device=args.device))
+    dtype = getattr(args, "dtype", "auto")  # (specpool bench --dtype; python -m bench.online has none)
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(target, args.device, dtype),
+                                         drafter_device=args.device, drafter_dtype=dtype))
     engine.drafter(args.drafter)
     run_tag = uuid.uuid4().hex[:8]
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,

@@ -38,12 +38,14 @@ WARMUP_TOKENS = 8
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-Bench question file (JSON lines with category and turns)")
+    parser.add_argument("--prompts", required=True,
+                        help="Spec-Bench / MT-Bench question file (JSON lines with category and turns); with --online, the corpus")
     parser.add_argument("--limit-per-category", type=int, default=5, help="first N prompts of each category (default 5)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    parser.add_argument("--drafters", default="ngram", help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
+    # default None: each benchmark fills in its own (resolve_bench_defaults; --online has other ones)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
+    parser.add_argument("--drafters", default=None, help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
     parser.add_argument("-k", type=int, default=5, help="draft length per round, for ours and the HF peers (default 5)")
-    parser.add_argument("--out", default="bench/results/latest", help="output folder (default bench/results/latest)")
+    parser.add_argument("--out", default=None, help="output folder (default bench/results/latest)")
     parser.add_argument("--in-domain", action="store_true",
                         help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
     policies = parser.add_argument_group("policies (bench/policies.py): drafter selection on a shuffled, mixed stream")
@@ -53,6 +55,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     policies.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight (default 0.2)")
     policies.add_argument("--store", default="memory", help="session store: memory (default) or redis://HOST:PORT/DB")
     policies.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle and the policies")
+    from bench.online import add_bench_online_arguments
+
+    add_bench_online_arguments(parser)  # --online and its options (bench/online.py)
+
+
+BENCH_DEFAULTS = {"max_new_tokens": 128, "drafters": "ngram", "out": "bench/results/latest"}
+
+
+def resolve_bench_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the side-by-side and policy benchmarks' defaults of the options --online shares."""
+    for name, value in BENCH_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return args
 
 
 # -- inputs (no models) -------------------------------------------------------------------------
@@ -233,6 +249,11 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     from target.models import ModelConfig
     from target.sampling import validate_draft_length
 
+    if getattr(args, "online", False):
+        from bench.online import online_args_from_bench, run_online_bench
+
+        return run_online_bench(online_args_from_bench(args), settings)
+    resolve_bench_defaults(args)
     if args.policies is not None:
         from bench.policies import run_policy_bench
 

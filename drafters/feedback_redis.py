@@ -8,15 +8,23 @@ stops trying for ``retry_after_s`` (a request then pays at most one failed call 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from drafters.feedback import Delivery
-from router.errors import StoreUnavailable
+from router.errors import InvalidArgument, StoreUnavailable
 
 FIELD = b"r"  # the stream entry's one field: the encoded record
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause in a few words ("Connection refused"), as the session store says it."""
+    from router.session_store import _reason as reason
+
+    return reason(exc)
 
 
 def _redacted(url: str) -> str:
@@ -42,18 +50,32 @@ class RedisFeedbackStream:
         self._redis = redis
         self.stream, self.group, self.maxlen, self.retry_after_s = stream, group, maxlen, retry_after_s
         self.describe = f"{_redacted(url)} stream {stream}"
-        self._client = client or redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        try:
+            self._client = client or redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        except ValueError as exc:  # a malformed URL; redis-py's message does not echo it
+            raise InvalidArgument(f"invalid Redis URL {_redacted(url)!r}: {exc}") from None
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.emitted = 0
         self.dropped = 0  # not written because Redis failed (trimming by MAXLEN is not counted)
         try:
             self._client.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.AuthenticationError as exc:  # before ConnectionError: it is a subclass
+            raise StoreUnavailable(f"Redis at {self.describe} rejected the credentials ({_reason(exc)}); "
+                                   "check the user and password in the URL") from None
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise StoreUnavailable(f"cannot create the feedback consumer group on {self.describe}: {exc}") from None
         except redis.RedisError as exc:
-            raise StoreUnavailable(f"feedback stream {self.describe} is unreachable ({exc})") from None
+            raise StoreUnavailable(f"feedback stream {self.describe} is unreachable ({_reason(exc)})") from None
+
+    @contextlib.contextmanager
+    def _reachable(self, what: str):
+        """The learner's calls: a Redis failure becomes one clear StoreUnavailable."""
+        try:
+            yield
+        except self._redis.RedisError as exc:
+            raise StoreUnavailable(f"lost the feedback stream {self.describe} while {what} ({_reason(exc)})") from None
 
     def emit(self, payload: bytes) -> None:
         if time.monotonic() < self._down_until:
@@ -91,19 +113,25 @@ class RedisFeedbackStream:
 
     def read(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
         block = int(block_s * 1000) if block_s > 0 else None
-        reply = self._client.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count, block=block)
-        if not reply:
-            return []
-        _, entries = reply[0]
-        return self._deliveries(entries, redelivered=False)
+        with self._reachable("reading"):
+            reply = self._client.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count, block=block)
+            if not reply:
+                return []
+            _, entries = reply[0]
+            return self._deliveries(entries, redelivered=False)
 
     def ack(self, entry_ids: Sequence[str]) -> int:
         if not entry_ids:
             return 0
-        return int(self._client.xack(self.stream, self.group, *entry_ids))
+        with self._reachable("acknowledging"):
+            return int(self._client.xack(self.stream, self.group, *entry_ids))
 
     def claim_stale(self, consumer: str, min_idle_s: float, count: int = 100,
                     start: str = "0-0") -> tuple[str, list[Delivery]]:
+        with self._reachable("claiming pending records"):
+            return self._claim_stale(consumer, min_idle_s, count, start)
+
+    def _claim_stale(self, consumer: str, min_idle_s: float, count: int, start: str) -> tuple[str, list[Delivery]]:
         reply = self._client.xautoclaim(self.stream, self.group, consumer, int(min_idle_s * 1000),
                                         start_id=start, count=count)
         cursor, entries = reply[0], reply[1]
@@ -114,11 +142,14 @@ class RedisFeedbackStream:
         return cursor, self._deliveries(entries, redelivered=True)
 
     def pending(self) -> int:
-        return int(self._client.xpending(self.stream, self.group)["pending"])
+        with self._reachable("counting pending records"):
+            return int(self._client.xpending(self.stream, self.group)["pending"])
 
     def backlog(self) -> int:
         """Entries never delivered to the group (its lag; Redis >= 7)."""
-        for info in self._client.xinfo_groups(self.stream):
+        with self._reachable("reading the group's lag"):
+            groups = self._client.xinfo_groups(self.stream)
+        for info in groups:
             name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
             if name == self.group and info.get("lag") is not None:
                 return int(info["lag"])

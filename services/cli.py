@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_model_options(gen)
+    from services.cli_learning import add_learner_command, add_learning_arguments
+
+    add_learning_arguments(gen)  # --learn and its options (services/cli_learning.py)
 
     models = commands.add_parser("models", help="manage cached models")
     model_commands = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
@@ -84,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-prompts", type=int, default=320, help="prompts the target answers for teacher data")
     train.add_argument("--max-new-tokens", type=int, default=64, help="teacher answer length")
     train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine decay)")
+    train.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    train.add_argument("--context-tokens", type=int, default=160, help="prompt tokens kept before each answer in training")
+    train.add_argument("--save-every", type=int, default=100, help="checkpoint (and held-out check) period, in steps")
+    train.add_argument("--teacher-batch", type=int, default=32, help="prompts per batched teacher generate call")
+    train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the teacher answers and the drafter trains")
+    train.add_argument("--time-limit", type=float, default=0.0, metavar="MIN",
+                       help="stop training at the first checkpoint after MIN minutes, keeping the best weights so far")
+    train.add_argument("--teacher-time-limit", type=float, default=0.0, metavar="MIN",
+                       help="start no new teacher batch after MIN minutes; train on the prompts answered so far")
+    train.add_argument("--teacher-only", action="store_true", help="only precompute the target's answers (the teacher store), then stop")
     train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
     train.add_argument("--target", default=None, help="target model (default: the embedded default)")
     zoo_commands.add_parser("manifest", help="hash the shipped drafters (drafters/zoo/) and record their reference acceptance")
@@ -101,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cli_served import add_served_commands
 
     add_served_commands(commands)  # serve, client generate, bench-served (services/cli_served.py)
+    learner = add_learner_command(commands)  # served mode's learner process (services/cli_learning.py)
+    _add_model_options(learner)
     return parser
 
 
@@ -118,7 +134,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     from drafters.zoo import shipped_names
     from router.errors import InvalidArgument, NotFound, check
     from router.policies import parse_arm
-    from services.engine import EmbeddedEngine, EngineConfig, TextStreamer
+    from services.engine import EmbeddedEngine, EngineConfig
     from target.models import ModelConfig
     from target.sampling import validate_draft_length
 
@@ -147,15 +163,30 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
         if not known_spec(spec):
             raise NotFound(f"unknown drafter {spec!r}; known: {names}")
     SessionKey(args.tenant, args.session or "cli")  # validate ids before loading anything
+    from services.cli_learning import check_learning_store, learning_config_from_args, learning_versions
+
+    learning = learning_config_from_args(args)  # None without --learn
+    check_learning_store(learning)
     store = open_store(args.store)  # a bad or unreachable store fails here, before the model load
 
     target = ModelConfig(args.target, args.device, args.dtype)
     target.check_device()
     target.torch_dtype()
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype),
-                            store=store)
-    for spec in ([drafter] if drafter is not None else []) + (pool or []):
-        engine.drafter(spec)  # load and check the tokenizer before generating anything
+                            store=store, learning=learning)
+    specs = ([drafter] if drafter is not None else []) + (pool or [])
+    try:
+        for spec in specs:
+            engine.drafter(spec)  # load and check the tokenizer before generating anything
+        return _generate(engine, args, drafter, pool, options, store, learning_versions(engine, args.tenant, specs) if learning else None)
+    finally:
+        engine.close()  # stops the learner thread, if any
+
+
+def _generate(engine, args: argparse.Namespace, drafter, pool, options, store, learn_before: dict | None) -> int:
+    from services.cli_learning import finish_learning, learning_line
+    from services.engine import TextStreamer
+
     prompt_ids = engine.encode_prompt(args.prompt, raw=args.raw)
     params = _sampling_params(args, engine.stop_token_ids())
 
@@ -174,6 +205,8 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
         "drafters": result.rounds_by_drafter(),
         "policy": args.policy or f"fixed:{drafter or 'none'}",
     }
+    if learn_before is not None:  # --learn: apply this request's feedback and publish before exiting
+        stats["learning"] = finish_learning(engine, args.tenant, learn_before)
     if args.json:
         text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
@@ -184,6 +217,8 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
             f"mean accepted length {stats['mean_accepted_length']:.2f}, {stats['tokens_per_s']:.1f} tokens/s, "
             f"finish: {result.finish_reason}]"
         )
+        if "learning" in stats:
+            print(learning_line(stats["learning"], args.tenant), flush=True)
     return 0
 
 
@@ -223,7 +258,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 
     from drafters.zoo_data import check_domain
     from drafters.zoo_train import TrainConfig, check_output_dir, train_drafter
-    from target.models import DEFAULT_TARGET
+    from target.models import DEFAULT_TARGET, ModelConfig
 
     from drafters.zoo_data import DEFAULT_RECIPES
     from router.errors import InvalidArgument
@@ -245,12 +280,28 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
                                     start_new_session=True)
         print(f"training {args.domain} in the background: pid {proc.pid}, log {log}; rerun with --resume after an interruption")
         return 0
+    for flag, value in (("--warmup", args.warmup), ("--context-tokens", args.context_tokens),
+                        ("--save-every", args.save_every), ("--teacher-batch", args.teacher_batch)):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    if not args.lr > 0:
+        raise InvalidArgument(f"--lr must be > 0, got {args.lr}")
+    ModelConfig(DEFAULT_TARGET, args.device).check_device()
     config = TrainConfig(
         domain=args.domain, data=tuple(data), steps=args.steps, seed=args.seed,
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        lr=args.lr, warmup=args.warmup, train_context_tokens=args.context_tokens, save_every=args.save_every,
+        teacher_batch=args.teacher_batch, time_limit_s=max(args.time_limit, 0.0) * 60,
+        teacher_time_limit_s=max(args.teacher_time_limit, 0.0) * 60,
     )
-    metadata = train_drafter(config, settings.home, out, args.resume, args.target or DEFAULT_TARGET)
-    print(f"{metadata['name']}: {out} (steps {metadata['steps']}, final loss {metadata['final_loss']:.4f})")
+    metadata = train_drafter(config, settings.home, out, args.resume, args.target or DEFAULT_TARGET,
+                             device=args.device, teacher_only=args.teacher_only)
+    if args.teacher_only:
+        print(f"{args.domain}: teacher data for {metadata['teacher_prompts']} prompts "
+              f"({metadata['teacher_tokens']} answer tokens) in {metadata['store']}")
+        return 0
+    print(f"{metadata['name']}: {out} (steps {metadata['steps']}, final loss {metadata['final_loss']:.4f}, "
+          f"best held-out loss {metadata['best_heldout_loss']} at step {metadata['best_step']})")
     return 0
 
 
@@ -301,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.speed import run_bench
 
             return run_bench(args, settings)
+        if args.command == "learner":
+            from services.cli_learning import run_learner_command
+
+            return run_learner_command(args, settings)
         if args.command in ("serve", "client", "bench-served"):
             from services.cli_served import run_served_command
 

@@ -87,6 +87,29 @@ class LearningConfig:
     max_deliveries: int = 5  # a record delivered more often is dropped as poison (counted)
     applied_ids_kept: int = 100_000  # record ids remembered per variant for idempotence
     limits: FeedbackLimits = field(default_factory=FeedbackLimits)
+    # Embedded mode only. A Redis URL: emit the feedback to that stream for a learner process
+    # (``specpool learner``) and learn nothing in this one; None: the in-process queue and thread.
+    feedback_url: str | None = None
+    feedback_stream: str = "specpool:feedback"  # the stream key at feedback_url
+
+
+def checkpoint_conflict(online: OnlineConfig, state: dict | None, key: VariantKey, where: str) -> str | None:
+    """Why a variant's stored learner checkpoint cannot go on under ``online`` - it was made by
+    another algorithm, or by an ensemble of another size - or None when it can (or there is none)."""
+    if state is None:
+        return None
+    learner = state.get("learner") or {}
+    saved = (learner.get("config") or {}).get("algorithm")
+    saved_members = len(learner.get("members") or ())
+    members = len(online.hedge_lrs) if online.algorithm == "hedge" else 1
+    if saved == online.algorithm and saved_members == members:
+        return None
+    def plural(n: int) -> str:
+        return f"{n} member" + ("s" if n != 1 else "")
+
+    return (f"the learner checkpoint of {key.scope}/{key.drafter} in the model store {where} was made by {saved} "
+            f"({plural(saved_members)}), not {online.algorithm} ({plural(members)}); learn on with the algorithm "
+            "it was trained with, or use another model store")
 
 
 def is_held_out(record_id: str, every: int) -> bool:
@@ -148,26 +171,31 @@ class Learner:
         self.last_loss: dict[VariantKey, float] = {}
         self.history: list[dict] = []  # one row per commit: version, BD before/after, decision
         self.busy_s = 0.0  # wall time spent applying and committing (not waiting for records)
+        self._conflicts: dict[VariantKey, str] = {}  # variants whose checkpoint another algorithm made
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def recover(self) -> int:
-        """Take over records another (crashed) consumer left unacknowledged; returns how many."""
+    def recover(self, limit: int | None = None) -> int:
+        """Take over records another (crashed) consumer left unacknowledged; returns how many
+        (at most ``limit``: the rest stay pending for a later call)."""
         total, cursor = 0, "0-0"
-        while True:
-            cursor, deliveries = self.source.claim_stale(self.consumer, self.config.claim_idle_s,
-                                                         self.config.read_count, cursor)
+        while limit is None or total < limit:
+            count = self.config.read_count if limit is None else min(self.config.read_count, limit - total)
+            cursor, deliveries = self.source.claim_stale(self.consumer, self.config.claim_idle_s, count, cursor)
             for delivery in deliveries:
                 self.process(delivery)
             total += len(deliveries)
             self.commit_due()
             if cursor == "0-0":
-                return total
+                break
+        return total
 
-    def poll(self, block_s: float | None = None) -> int:
-        """Read and process one batch of records, then commit the variants that are due."""
+    def poll(self, block_s: float | None = None, count: int | None = None) -> int:
+        """Read and process one batch of records (at most ``count``, default ``read_count``),
+        then commit the variants that are due."""
         block = self.config.read_block_s if block_s is None else block_s
-        deliveries = self.source.read(self.consumer, self.config.read_count, block)
+        wanted = self.config.read_count if count is None else max(1, min(count, self.config.read_count))
+        deliveries = self.source.read(self.consumer, wanted, block)
         started = time.perf_counter()
         for delivery in deliveries:
             self.process(delivery)
@@ -305,8 +333,14 @@ class Learner:
         base = self.base_model(key.drafter)
         if base is None:
             return None
+        if key in self._conflicts:
+            raise ModelUnavailable(self._conflicts[key])
         variant = _Variant(key, OnlineDrafterLearner(base, self.config.online), base)
         state = self.store.load_state(key)
+        conflict = checkpoint_conflict(self.config.online, state, key, self.store.describe)
+        if conflict is not None:  # its records stay pending (counted as errors), none is dropped
+            self._conflicts[key] = conflict
+            raise ModelUnavailable(conflict)
         if state is not None:
             variant.learner.load_state_dict(state["learner"])
             variant.serving_version = int(state["serving_version"])
@@ -460,21 +494,35 @@ class EmbeddedLearning:
     an opted-out tenant). Rounds of learnable drafters then feed the stream; the learner thread
     trains and promotes; promotion refreshes the variant's slot, so the next request pins the
     new version.
+
+    With ``config.feedback_url`` the records go to that Redis stream instead, for a learner in its
+    own process (``specpool learner``) that publishes to the same model store; there is no learner
+    here (``learner`` and ``thread`` are None), and slots check the store's serving version
+    between requests.
     """
 
     def __init__(self, config: LearningConfig, home: Path, start: bool = True, continuous: bool = True):
         config.online.validate()
         self.config = config
-        self.stream = InProcessFeedbackStream(config.queue_capacity)
+        self.external = config.feedback_url is not None
+        if self.external:
+            from drafters.feedback_redis import RedisFeedbackStream
+
+            self.stream = RedisFeedbackStream(config.feedback_url, stream=config.feedback_stream)
+        else:
+            self.stream = InProcessFeedbackStream(config.queue_capacity)
         self.store = open_model_store(config.store or (Path(home) / "online"))
         self.emitter = FeedbackEmitter(self.stream, config.context_tail)
         self._bases: dict[str, Drafter] = {}
         self._slots: dict[VariantKey, DrafterSlot] = {}
         self._lock = threading.Lock()
-        self.learner = Learner(config, self.stream, self.store, self._base_model, on_promote=self._on_promote)
-        self.thread = LearnerThread(self.learner, continuous)
-        if start:
-            self.thread.start()
+        self.learner: Learner | None = None
+        self.thread: LearnerThread | None = None
+        if not self.external:
+            self.learner = Learner(config, self.stream, self.store, self._base_model, on_promote=self._on_promote)
+            self.thread = LearnerThread(self.learner, continuous)
+            if start:
+                self.thread.start()
 
     @property
     def top_k(self) -> int:
@@ -511,7 +559,10 @@ class EmbeddedLearning:
         versions: dict[str, int] = {}
         for name, drafter in drafters.items():
             if self._wanted(name, drafter):
-                versions[name], pinned[name] = self._slot(VariantKey(scope, name), drafter).pin()
+                slot = self._slot(VariantKey(scope, name), drafter)
+                if self.external:
+                    slot.maybe_refresh()  # promoted by a learner elsewhere: nobody tells us
+                versions[name], pinned[name] = slot.pin()
             else:
                 pinned[name] = drafter
         if not versions or tenant in self.config.opt_out:
@@ -526,11 +577,17 @@ class EmbeddedLearning:
         return pinned, feedback
 
     def commit_now(self, timeout: float = 60.0) -> bool:
-        """Let the learner apply everything emitted so far and commit (tests, benchmarks)."""
+        """Let the learner apply everything emitted so far and commit (tests, benchmarks).
+        False with an external learner (it commits on its own schedule)."""
+        if self.thread is None:
+            return False
         return self.thread.commit_now(timeout)
 
     def close(self) -> None:
-        self.thread.stop()
+        if self.thread is not None:
+            self.thread.stop()
+        if self.external:
+            self.stream.close()
 
 
 # --- served mode: the learner as its own process --------------------------------------------------
@@ -561,20 +618,63 @@ def registry_base_models(context, allowed: Sequence[str]) -> Callable[[str], Zoo
 
 def run_learner(config: LearningConfig, source: FeedbackSource, store: ModelStore,
                 base_model: Callable[[str], ZooLM | None], consumer: str,
-                stop: threading.Event, report_every_s: float = 60.0) -> Learner:
+                stop: threading.Event, report_every_s: float = 60.0, *, once: bool = False,
+                max_records: int | None = None, on_progress: Callable[[Learner], None] | None = None,
+                retry_after_s: float = 5.0) -> Learner:
     """The served learner's main loop (``specpool learner``): recover what a dead consumer left,
-    then read, train and publish until ``stop`` is set; commits what it applied before returning."""
+    then read, train and publish until ``stop`` is set; commits what it applied before returning.
+
+    ``once``: stop as soon as the stream has nothing new (what a test or a cron job wants).
+    ``max_records``: stop after that many records (recovered ones included; it never reads more).
+    ``on_progress(learner)`` is called after every batch. While running until stopped, a feedback
+    stream that becomes unreachable (``StoreUnavailable``) is retried every ``retry_after_s``; with
+    ``once`` it ends the run (after committing what was applied). Records left pending by a dead
+    consumer are taken over at start and then every ``claim_idle_s``."""
+    if max_records is not None and max_records < 1:
+        raise InvalidArgument(f"max_records must be >= 1, got {max_records}")
     learner = Learner(config, source, store, base_model, consumer=consumer)
-    recovered = learner.recover()
-    log.info("learner %s: reading %s, publishing to %s; %d records recovered", consumer, source.describe,
-             store.describe, recovered)
-    last_report = time.monotonic()
+
+    def remaining() -> int | None:
+        return None if max_records is None else max_records - learner.counters["processed"]
+
+    def done() -> bool:
+        left = remaining()
+        return stop.is_set() or (left is not None and left <= 0)
+
     try:
-        while not stop.is_set():
-            learner.poll()
+        recovered = learner.recover(remaining())
+        log.info("learner %s: reading %s, publishing to %s; %d records recovered", consumer, source.describe,
+                 store.describe, recovered)
+        if on_progress is not None:
+            on_progress(learner)
+        last_report = last_recover = time.monotonic()
+        while not done():
+            try:
+                if time.monotonic() - last_recover >= max(config.claim_idle_s, 1.0):
+                    last_recover = time.monotonic()
+                    learner.recover(remaining())
+                n = learner.poll(0.0 if once else None, remaining())
+            except StoreUnavailable as exc:
+                if once:
+                    raise
+                learner.counters["errors"] += 1
+                log.error("learner %s: %s; retrying in %.0f s", consumer, exc, retry_after_s)
+                stop.wait(retry_after_s)
+                continue
+            if on_progress is not None and n:
+                on_progress(learner)
+            if once and n == 0:
+                break
             if time.monotonic() - last_report >= report_every_s:
                 last_report = time.monotonic()
                 log.info("learner %s: %s", consumer, {k: v for k, v in learner.counters.items() if v})
-    finally:
-        learner.flush()
+    except BaseException:
+        try:  # keep what was applied; records not committed stay pending and come back
+            learner.flush()
+        except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+            log.error("learner %s: final commit failed: %s", consumer, exc)
+        raise
+    learner.flush()
+    if on_progress is not None:
+        on_progress(learner)
     return learner

@@ -1,0 +1,210 @@
+"""Integration: ``specpool learner`` on the real Redis at 127.0.0.1:6379 (skipped without one).
+
+- ``generate --learn --learn-feedback`` sends feedback to a stream; ``specpool learner --once``, in
+  its own process, trains on it and publishes to the model store; the next ``generate`` drafts with
+  that version and still gives the target's own output;
+- a learner that crashed with records unacknowledged: ``--claim-idle-s 0`` takes them over,
+  ``--max-records`` stops where asked, and the runs together equal one uninterrupted pass over the
+  same records, each applied exactly once; a further ``--once`` finds nothing to do;
+- without ``--once`` the learner runs until SIGTERM, logs its progress, and commits on the way out.
+
+Every test uses its own stream and deletes it. Models: the unit tests' tiny random target and a
+tiny zoo drafter on it (no downloads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from drafters.feedback import InProcessFeedbackStream
+from drafters.feedback_redis import RedisFeedbackStream
+from drafters.model_store import DirectoryModelStore, VariantKey
+from drafters.online import OnlineConfig
+from drafters.registry import DrafterContext
+from redis_helpers import URL, connect_or_skip
+from services.learner import Learner, LearningConfig, registry_base_models
+from unit.conftest import WORDS, _prompt_texts, _save, make_model, make_tokenizer, plain_greedy
+from unit.online_helpers import target_records, write_tiny_zoo
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TENANT = "acme"
+
+
+@pytest.fixture(scope="module")
+def raw() -> redis.Redis:
+    client = connect_or_skip()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target folder, zoo drafter spec, tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tokenizer(WORDS)
+    target = _save(root / "target", make_model(0), tokenizer)
+    zoo = write_tiny_zoo(target, tokenizer, root / "zoo")
+    return target, f"zoo:{zoo}", tokenizer
+
+
+@pytest.fixture
+def stream_key(raw):
+    key = f"specpool-test-learner-{uuid.uuid4().hex}"
+    yield key
+    raw.delete(key)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECPOOL_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def specpool(capsys, *args: str) -> tuple[int, str, str]:
+    """``specpool ARGS`` in this process."""
+    from services.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def specpool_process(home: Path, *args: str) -> subprocess.Popen:
+    """``specpool ARGS`` in a process of its own (as served mode runs the learner)."""
+    env = {**os.environ, "SPECPOOL_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def lag_and_pending(raw: redis.Redis, key: str, group: str = "learners") -> tuple[int, int]:
+    def text(value) -> str:
+        return value.decode() if isinstance(value, bytes) else value
+
+    info = {text(g["name"]): g for g in raw.xinfo_groups(key)}[group]
+    return int(info["lag"] or 0), int(info["pending"])
+
+
+def test_generate_feeds_a_learner_process_and_drafts_with_its_version(raw, models, stream_key, home, tmp_path, capsys):
+    target, zoo, tokenizer = models
+    store = tmp_path / "store"
+    prompt = _prompt_texts()[1]
+    generate = ["generate", prompt, "--raw", "--json", "--max-new-tokens", "24", "--drafter", zoo, "-k", "4",
+                "--target", str(target), "--tenant", TENANT, "--learn", "--learn-store", str(store),
+                "--learn-feedback", URL, "--learn-stream", stream_key]
+    code, out, err = specpool(capsys, *generate)
+    assert code == 0, err
+    first = json.loads(out)
+    learning = first["stats"]["learning"]
+    assert learning["records"] > 0 and learning["dropped"] == 0 and stream_key in learning["feedback"]
+    assert learning["versions"][zoo] == {"drafted_with": 0, "serving": 0}  # nobody learned in this process
+    assert raw.xlen(stream_key) == learning["records"]
+    code, out, err = specpool(capsys, "generate", prompt, "--raw", "--json", "--max-new-tokens", "24", "--drafter", "none",
+                              "--target", str(target))
+    assert code == 0, err
+    assert first["token_ids"] == json.loads(out)["token_ids"]  # the target's own output
+
+    learner = specpool_process(home, "learner", "--once", "--redis", URL, "--stream", stream_key, "--drafters", zoo,
+                               "--store", str(store), "--algo", "optimistic", "--publish-every", "8", "--target", str(target))
+    _, err = learner.communicate(timeout=300)
+    assert learner.returncode == 0, err
+    assert "stopped;" in err and f"{learning['records']} records" in err, err
+    assert lag_and_pending(raw, stream_key) == (0, 0)  # everything read and acknowledged
+    serving = DirectoryModelStore(store).serving(VariantKey(TENANT, zoo))
+    assert serving is not None and serving >= 1 and f"serving {TENANT}/{zoo} v{serving}" in err
+
+    code, out, err = specpool(capsys, *generate)
+    assert code == 0, err
+    second = json.loads(out)
+    assert second["stats"]["learning"]["versions"][zoo]["drafted_with"] == serving
+    assert second["token_ids"] == first["token_ids"]  # a learned drafter changes speed, never the output
+
+
+def test_learner_takes_over_a_crashed_consumer_and_applies_each_record_once(raw, models, stream_key, home, tmp_path, capsys):
+    target, zoo, tokenizer = models
+    model = make_model(0)
+    prompts = [tokenizer.encode(t, add_special_tokens=True) for t in _prompt_texts()[:10]]
+    prompts = [p + plain_greedy(model, p, 12) for p in prompts]
+    records = target_records(model, prompts, k=4, per_prompt=2, tenant=TENANT, drafter=zoo)  # 20
+    stream = RedisFeedbackStream(URL, stream=stream_key)
+    for record in records:
+        stream.emit(record.encode())
+    crashed = stream.read("crashed-learner", 5)  # delivered, never acknowledged: the consumer died
+    assert len(crashed) == 5 and stream.pending() == 5
+    store = tmp_path / "store"
+    learner = ["learner", "--redis", URL, "--stream", stream_key, "--drafters", zoo, "--store", str(store),
+               "--algo", "optimistic", "--publish-every", "8", "--claim-idle-s", "0", "--no-progress", "--target", str(target)]
+
+    code, out, err = specpool(capsys, *learner, "--once", "--max-records", "12")
+    assert code == 0, err
+    assert "12 records" in err and "12 acknowledged" in err, err
+    assert lag_and_pending(raw, stream_key) == (8, 0)  # the 5 taken over + 7 new; 8 never read
+
+    code, out, err = specpool(capsys, *learner, "--once")
+    assert code == 0, err
+    assert "8 records" in err and "duplicates" not in err, err
+    assert lag_and_pending(raw, stream_key) == (0, 0)
+
+    # One uninterrupted pass over the same records, in process, gives the same learner state.
+    config = LearningConfig(online=OnlineConfig(algorithm="optimistic"), publish_every=8, drafters=(zoo,))
+    plain = InProcessFeedbackStream(100)
+    for record in records:
+        plain.emit(record.encode())
+    base = registry_base_models(DrafterContext(home, str(target)), [zoo])
+    reference = Learner(config, plain, DirectoryModelStore(tmp_path / "reference"), base)
+    reference.drain()
+    key = VariantKey(TENANT, zoo)
+    want = reference.variants[key].learner.state_dict()
+    got = DirectoryModelStore(store).load_state(key)
+    assert sorted(got["applied"]) == sorted(r.record_id for r in records)  # each exactly once
+    assert got["learner"]["steps"] == want["steps"] > 0
+    for name, tensor in want["members"][0].items():
+        assert torch.equal(tensor, got["learner"]["members"][0][name]), name
+
+    versions = DirectoryModelStore(store).versions(key)
+    code, out, err = specpool(capsys, *learner, "--once")
+    assert code == 0 and "0 records" in err, err
+    assert DirectoryModelStore(store).versions(key) == versions  # nothing new: no new version
+
+
+def test_learner_runs_until_sigterm_and_logs_progress(raw, models, stream_key, home, tmp_path):
+    target, zoo, tokenizer = models
+    model = make_model(0)
+    prompts = [tokenizer.encode(t, add_special_tokens=True) for t in _prompt_texts()[10:14]]
+    prompts = [p + plain_greedy(model, p, 12) for p in prompts]
+    stream = RedisFeedbackStream(URL, stream=stream_key)
+    for record in target_records(model, prompts, k=4, per_prompt=2, tenant=TENANT, drafter=zoo):  # 8
+        stream.emit(record.encode())
+    store = tmp_path / "store"
+    learner = specpool_process(home, "learner", "--redis", URL, "--stream", stream_key, "--drafters", zoo,
+                               "--store", str(store), "--publish-every", "4", "--report-every-s", "0.2",
+                               "--target", str(target))
+    try:
+        deadline = time.monotonic() + 180
+        while lag_and_pending(raw, stream_key) != (0, 0) or DirectoryModelStore(store).serving(VariantKey(TENANT, zoo)) is None:
+            assert learner.poll() is None, learner.communicate()[1]
+            assert time.monotonic() < deadline, "the learner did not consume the stream"
+            time.sleep(0.2)
+        time.sleep(0.6)  # at least one progress report
+        learner.send_signal(signal.SIGTERM)
+        _, err = learner.communicate(timeout=60)
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+    assert learner.returncode == 0, err
+    assert "until stopped" in err and "stopped;" in err and "8 records" in err, err
+    assert "'applied': 8" in err, err  # a progress line: the counters so far
