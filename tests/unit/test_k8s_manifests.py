@@ -379,3 +379,32 @@ def test_import_paths_are_collected():
 @pytest.mark.parametrize("path", import_paths())
 def test_import_paths_resolve(path: str):
     assert callable(_resolve(path)), f"{path} is not callable"
+
+
+# --- the image the manifests run ----------------------------------------------------------------
+
+
+def _rayservice() -> dict:
+    return next(doc for path in manifest_files() for doc in yaml.load_all(path.read_text(), Loader=_Loader)
+                if doc and doc.get("kind") == "RayService")
+
+
+def test_dockerfile_ray_version_matches_the_rayservice():
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    image = re.search(r"^ARG RAY_IMAGE=rayproject/ray:(\d+\.\d+\.\d+)", dockerfile, re.M)
+    assert image, "Dockerfile must build FROM a pinned rayproject/ray image"
+    assert image.group(1) == str(_rayservice()["spec"]["rayClusterConfig"]["rayVersion"])
+
+
+def test_dockerfile_installs_every_package_and_converts_the_target():
+    import tomllib
+
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    packages = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = set(re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s", dockerfile, re.M))
+    for pattern in packages:
+        assert pattern.rstrip("*") in copied, f"package {pattern} is not copied into the image"
+    assert "pip install ." in dockerfile and "specpool models fetch" in dockerfile
+    assert "SPECPOOL_HOME=/home/ray/.cache/specpool" in dockerfile
+    # The pods read the converted target from the same folder.
+    assert "/home/ray/.cache/specpool" in (K8S / "rayservice.yaml").read_text()

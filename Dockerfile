@@ -1,0 +1,21 @@
+# The image k8s/rayservice.yaml runs (head and workers): Ray, specpool with its shipped zoo
+# drafters, and the default target converted once, so pods start without downloading anything.
+#   docker build -t ghcr.io/YOUR_ORG/specpool:0.1.0 .
+# For GPU nodes build from the -gpu tag of the same Ray version; torch then comes with CUDA.
+# The Ray version must equal rayClusterConfig.rayVersion in k8s/rayservice.yaml (a test checks).
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311
+FROM ${RAY_IMAGE}
+
+ENV SPECPOOL_HOME=/home/ray/.cache/specpool \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /home/ray/specpool
+COPY --chown=ray:users pyproject.toml README.md ./
+COPY --chown=ray:users router ./router
+COPY --chown=ray:users target ./target
+COPY --chown=ray:users drafters ./drafters
+COPY --chown=ray:users services ./services
+COPY --chown=ray:users bench ./bench
+COPY --chown=ray:users protos ./protos
+RUN pip install . \
+    && specpool models fetch \
+    && specpool --help > /dev/null
