@@ -233,7 +233,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
     from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, machine_info
-    from drafters.online import OnlineConfig
+    from drafters.online import OnlineConfig, parse_step_sizes
     from services.engine import EmbeddedEngine, EngineConfig
     from services.learner import EmbeddedLearning, LearningConfig
     from target.models import DEFAULT_TARGET, ModelConfig
@@ -243,10 +243,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     check(args.limit >= 3, f"--limit must be >= 3 (the report compares thirds), got {args.limit}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")
-    try:
-        hedge_lrs = tuple(float(x) for x in args.hedge_lrs.split(","))
-    except ValueError:
-        raise InvalidArgument(f"--hedge-lrs takes comma-separated numbers, got {args.hedge_lrs!r}") from None
+    hedge_lrs = parse_step_sizes(args.hedge_lrs)
     prompts = stream_prompts(Path(args.corpus).expanduser(), args.limit)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)

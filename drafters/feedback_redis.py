@@ -12,27 +12,12 @@ import contextlib
 import threading
 import time
 from typing import Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from drafters.feedback import Delivery
 from router.errors import InvalidArgument, StoreUnavailable
+from router.session_store import _reason, redact_url  # one wording and one redaction for every Redis URL
 
 FIELD = b"r"  # the stream entry's one field: the encoded record
-
-
-def _reason(exc: BaseException) -> str:
-    """The root cause in a few words ("Connection refused"), as the session store says it."""
-    from router.session_store import _reason as reason
-
-    return reason(exc)
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisFeedbackStream:
@@ -49,11 +34,11 @@ class RedisFeedbackStream:
 
         self._redis = redis
         self.stream, self.group, self.maxlen, self.retry_after_s = stream, group, maxlen, retry_after_s
-        self.describe = f"{_redacted(url)} stream {stream}"
+        self.describe = f"{redact_url(url)} stream {stream}"
         try:
             self._client = client or redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
         except ValueError as exc:  # a malformed URL; redis-py's message does not echo it
-            raise InvalidArgument(f"invalid Redis URL {_redacted(url)!r}: {exc}") from None
+            raise InvalidArgument(f"invalid Redis URL {redact_url(url)!r}: {exc}") from None
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.emitted = 0

@@ -50,6 +50,14 @@ from router.errors import InvalidArgument, ModelUnavailable
 ALGORITHMS = ("ogd", "optimistic", "hedge")
 
 
+def parse_step_sizes(text: str) -> tuple[float, ...]:
+    """The Hedge members' step sizes from "0.01,0.05,0.2" (command lines of generate, learner, bench)."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidArgument(f"the hedge step sizes are comma-separated numbers, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class OnlineConfig:
     algorithm: str = "ogd"  # "ogd" | "optimistic" | "hedge"

@@ -61,7 +61,6 @@ class TrainConfig:
     teacher_top_k: int = 20  # teacher distribution entries kept per position
     teacher_batch: int = 32  # prompts per batched generate call (~5x the tokens/s of one at a time on 2 cores)
     save_every: int = 100  # checkpoint period, in steps
-    val_every: int = 0  # steps between held-out loss checks (0: at every save); the best weights are kept
     time_limit_s: float = 0.0  # stop at the first save after this much training time (0: no limit)
     teacher_time_limit_s: float = 0.0  # start no new teacher batch after this long; train on what is there
     init_layers: tuple[int, ...] = (0, 1)  # target layers that warm-start the drafter's blocks
@@ -360,8 +359,8 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
                 heldout: list[Sequence] | None = None) -> TrainState:
     """Run (or continue) distillation up to step ``until`` (default ``config.steps``).
 
-    With ``heldout`` sequences, the loss on them is checked every ``val_every`` steps (default:
-    at each save) and the model ends with the weights of the best check (early stopping by
+    With ``heldout`` sequences, the loss on them is checked at every save and the model ends
+    with the weights of the best check (early stopping by
     selection: long runs on a small domain cannot end overfitted). The best weights travel in the
     checkpoint, so a resumed run selects exactly as a straight one.
     """
@@ -373,7 +372,6 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         state, best = load_checkpoint(checkpoint, model, optimizer)
         state.stopped_by_time_limit = False
     until = config.steps if until is None else until
-    val_every = config.val_every or config.save_every
     if model.device.type == "cuda":
         # TF32 matmuls for the drafter's training on a GPU (~8x fp32 speed); the teacher's
         # answers were made before, in full fp32. Restored on the way out.
@@ -401,7 +399,7 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         window_steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{window_tokens / (time.perf_counter() - started):.0f}")
-        if heldout and (state.step % val_every == 0 or state.step == config.steps):
+        if heldout and (state.step % config.save_every == 0 or state.step == config.steps):
             val = heldout_loss(model, heldout, vocab_map, config)
             state.val_losses.append(round(val, 4))
             if val < state.best_val:
@@ -554,9 +552,14 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
         if not Path(path).exists():
             raise InvalidArgument(f"corpus {path} does not exist")
     for flag, value in (("--steps", config.steps), ("--batch-size", config.batch_size),
-                        ("--max-prompts", config.max_prompts), ("--max-new-tokens", config.max_new_tokens)):
+                        ("--max-prompts", config.max_prompts), ("--max-new-tokens", config.max_new_tokens),
+                        ("--warmup", config.warmup), ("--context-tokens", config.train_context_tokens),
+                        ("--save-every", config.save_every), ("--teacher-batch", config.teacher_batch)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    if not config.lr > 0:
+        raise InvalidArgument(f"--lr must be > 0, got {config.lr}")
+    ModelConfig(target_name, device).check_device()  # before any corpus or model is read
     if not teacher_only:
         check_output_dir(out)
     prompts = collect_prompts([Path(p) for p in config.data], config.max_prompts, config.seed)
@@ -571,14 +574,15 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
         print(f"{config.domain}: training on the {len(answered)} of {len(prompts)} prompts the target has answered",
               flush=True)
     prompts = answered
+    by_prompt = dict(zip(prompts, load_teacher(prompts, index)))  # each shard read once
     train_prompts, heldout_prompts = split_heldout(prompts)
-    sequences = load_teacher(train_prompts, index)
-    heldout = load_teacher(heldout_prompts, index)
+    sequences = [by_prompt[p] for p in train_prompts]
+    heldout = [by_prompt[p] for p in heldout_prompts]
     if not sequences:
         raise TrainingError("the target produced no teacher data")
     if teacher_only:
         return {"domain": config.domain, "store": str(store), "teacher_prompts": len(prompts),
-                "teacher_tokens": int(sum(len(s.label_ids) for s in sequences + heldout))}
+                "teacher_tokens": int(sum(len(s.label_ids) for s in by_prompt.values()))}
 
     torch.manual_seed(config.seed)
     target_state = load_file(str(Path(resolve_model(target_name, home)) / "model.safetensors"))

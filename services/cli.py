@@ -258,7 +258,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 
     from drafters.zoo_data import check_domain
     from drafters.zoo_train import TrainConfig, check_output_dir, train_drafter
-    from target.models import DEFAULT_TARGET, ModelConfig
+    from target.models import DEFAULT_TARGET
 
     from drafters.zoo_data import DEFAULT_RECIPES
     from router.errors import InvalidArgument
@@ -280,13 +280,6 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
                                     start_new_session=True)
         print(f"training {args.domain} in the background: pid {proc.pid}, log {log}; rerun with --resume after an interruption")
         return 0
-    for flag, value in (("--warmup", args.warmup), ("--context-tokens", args.context_tokens),
-                        ("--save-every", args.save_every), ("--teacher-batch", args.teacher_batch)):
-        if value < 1:
-            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
-    if not args.lr > 0:
-        raise InvalidArgument(f"--lr must be > 0, got {args.lr}")
-    ModelConfig(DEFAULT_TARGET, args.device).check_device()
     config = TrainConfig(
         domain=args.domain, data=tuple(data), steps=args.steps, seed=args.seed,
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

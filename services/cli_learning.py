@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -69,7 +70,7 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
     None when ``--learn`` is off."""
     from dataclasses import replace
 
-    from drafters.online import OnlineConfig
+    from drafters.online import OnlineConfig, parse_step_sizes
     from services.learner import LearningConfig
 
     if not getattr(args, "learn", True):
@@ -78,11 +79,7 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
     if args.learn_lr is not None:
         online = replace(online, lr=args.learn_lr)
     if args.learn_hedge_lrs:
-        try:
-            lrs = tuple(float(x) for x in args.learn_hedge_lrs.split(",") if x.strip())
-        except ValueError:
-            raise InvalidArgument(f"the hedge step sizes are comma-separated numbers, got {args.learn_hedge_lrs!r}") from None
-        online = replace(online, hedge_lrs=lrs)
+        online = replace(online, hedge_lrs=parse_step_sizes(args.learn_hedge_lrs))
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")
@@ -119,6 +116,17 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
                          help="without a progress bar: log the counters this often (default 60)")
     add_learning_arguments(learner, flag=False)
     return learner
+
+
+@contextlib.contextmanager
+def _redis_hint(why: str, alternative: str):
+    """An unreachable feedback Redis: one line saying why it is needed and what to do."""
+    from router.errors import StoreUnavailable
+
+    try:
+        yield
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(f"{exc}; {why}: start redis-server (redis-server --daemonize yes) or {alternative}") from None
 
 
 def _summary(learner) -> str:
@@ -166,7 +174,7 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
     from drafters.model_store import open_model_store
     from drafters.registry import DrafterContext, known_spec
     from drafters.zoo import shipped_names
-    from router.errors import NotFound, StoreUnavailable
+    from router.errors import NotFound
     from services.learner import registry_base_models, run_learner
     from target.models import DEFAULT_TARGET
 
@@ -181,11 +189,8 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
     check(args.report_every_s > 0, f"--report-every-s must be > 0, got {args.report_every_s}")
     config = learning_config_from_args(args, drafters, claim_idle_s=args.claim_idle_s)
     store = open_model_store(config.store or (settings.home / "online"))  # a bad URI fails before Redis
-    try:
+    with _redis_hint("the learner reads its feedback there", "give --redis URL"):
         stream = RedisFeedbackStream(args.redis, stream=args.stream, group=args.group)
-    except StoreUnavailable as exc:  # one line, and what to do about it
-        raise StoreUnavailable(f"{exc}; the learner reads its feedback there: start redis-server "
-                               "(redis-server --daemonize yes) or give --redis URL") from None
     # --target/--device/--dtype: cli.py's _add_model_options on the learner parser.
     context = DrafterContext(settings.home, getattr(args, "target", DEFAULT_TARGET), getattr(args, "device", "cpu"),
                              getattr(args, "dtype", "auto"))
@@ -234,13 +239,9 @@ def check_learning_store(config) -> None:
         open_model_store(config.store)
     if config.feedback_url is not None:
         from drafters.feedback_redis import RedisFeedbackStream
-        from router.errors import StoreUnavailable
 
-        try:
+        with _redis_hint("--learn-feedback sends feedback there", "learn in this process (no --learn-feedback)"):
             RedisFeedbackStream(config.feedback_url, stream=config.feedback_stream).close()
-        except StoreUnavailable as exc:
-            raise StoreUnavailable(f"{exc}; --learn-feedback sends feedback there: start redis-server "
-                                   "(redis-server --daemonize yes) or learn in this process (no --learn-feedback)") from None
 
 
 def learning_versions(engine, tenant: str, specs) -> dict[str, int]:
