@@ -21,6 +21,13 @@ run instead (all on the same cores).
 
 Writes results.json (rows: system, segment = first_third | last_third | all, mean_accepted_length,
 tokens_per_s, n_prompts), per_prompt.jsonl, report.md and learning_curves.png.
+
+Forgetting check: after the stream, the drafter's shipped weights and each system's final learned
+version draft for the first ``--forgetting-per-category`` prompts of the drafter's own Spec-Bench
+categories (``--forgetting-prompts``, default dev.jsonl; chat for the chat drafter), greedy;
+forgetting.json holds each version's mean accepted length there and its ratio to the shipped
+weights (the target: within 5 %). ``--forgetting-only`` runs just this check on the stores an
+earlier run left in ``--out``.
 """
 
 from __future__ import annotations
@@ -148,6 +155,114 @@ def plot_curves(records: list[dict], path: Path, window: int = 10) -> None:
     plt.close(fig)
 
 
+# --- forgetting check ---------------------------------------------------------------------------
+
+
+def forgetting_categories(args: argparse.Namespace) -> list[str]:
+    """The categories of the check: --forgetting-categories, else those whose in-domain drafter
+    (bench/speed.py) is the stream's drafter; [] when the check is off or has none."""
+    from bench.speed import IN_DOMAIN_DRAFTERS
+
+    if args.forgetting_per_category <= 0:
+        return []
+    if args.forgetting_categories:
+        return [c.strip() for c in args.forgetting_categories.split(",") if c.strip()]
+    return [c for c, d in IN_DOMAIN_DRAFTERS.items() if d == args.drafter]
+
+
+def forgetting_prompts(path: Path, categories: list[str], per_category: int) -> list[tuple[str, str]]:
+    """(category, first turn) of the first ``per_category`` questions of each category."""
+    from bench.verify_batch import load_prompts
+
+    check(path.is_file(), f"forgetting prompts {path} do not exist (give --forgetting-prompts, or --forgetting-per-category 0)")
+    questions = load_prompts(path)
+    picked = [(c, [q for qc, q in questions if qc == c][:per_category]) for c in categories]
+    missing = [c for c, qs in picked if not qs]
+    check(not missing, f"no prompts of category {', '.join(missing)} in {path}")
+    return [(c, q) for c, qs in picked for q in qs]
+
+
+def newest_store(out: Path, system: str) -> Path | None:
+    """The model store a run of ``system`` left in ``out``/stores (the newest, if several)."""
+    stores = sorted((out / "stores").glob(f"{system}-*"), key=lambda p: p.stat().st_mtime)
+    return stores[-1] if stores else None
+
+
+class _PinnedVersion:
+    """Stands in for the engine's learning: every request drafts with one given drafter version
+    and emits no feedback, so the check itself teaches nothing."""
+
+    top_k = 0
+
+    def __init__(self, name: str, drafter):
+        self.name, self.drafter = name, drafter
+
+    def prepare(self, tenant: str, drafters: dict):
+        return {n: (self.drafter if n == self.name else d) for n, d in drafters.items()}, None
+
+
+def run_forgetting_check(engine, args: argparse.Namespace, stores: dict[str, Path]) -> tuple[list[dict], int]:
+    """Rows {system, category, version, mean_accepted_length, vs_frozen, n_prompts} for the shipped
+    weights (system frozen) and each system's serving version in ``stores``; and the number of
+    prompts whose greedy outputs differ between versions (must be 0)."""
+    from drafters.hot_swap import DrafterSlot
+    from drafters.model_store import VariantKey, open_model_store
+    from target.sampling import SamplingParams
+
+    categories = forgetting_categories(args)
+    if not categories:
+        return [], 0
+    questions = forgetting_prompts(Path(args.forgetting_prompts).expanduser(), categories, args.forgetting_per_category)
+    base = engine.drafter(args.drafter)
+    versions = {"frozen": (0, base)}
+    for system, path in stores.items():
+        slot = DrafterSlot(VariantKey("bench", args.drafter), base, open_model_store(path))
+        slot.refresh()
+        versions[system] = slot.pin()
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=engine.stop_token_ids())
+    totals: dict[tuple[str, str], list[int]] = {}
+    mismatches = 0
+    saved = engine.learning
+    try:
+        for category, text in questions:
+            ids = engine.encode_prompt(text)
+            outputs = set()
+            for system, (_, drafter) in versions.items():
+                engine.learning = _PinnedVersion(args.drafter, drafter)
+                result = engine.generate(ids, params, args.drafter, k=args.k, tenant="bench")
+                outputs.add(tuple(result.token_ids))
+                tokens, rounds = totals.setdefault((system, category), [0, 0])
+                totals[(system, category)] = [tokens + len(result.token_ids), rounds + len(result.rounds)]
+            mismatches += len(outputs) > 1
+    finally:
+        engine.learning = saved
+    rows = []
+    for (system, category), (tokens, rounds) in totals.items():
+        mal = tokens / max(rounds, 1)
+        frozen_tokens, frozen_rounds = totals[("frozen", category)]
+        frozen = frozen_tokens / max(frozen_rounds, 1)
+        rows.append({"system": system, "category": category, "version": versions[system][0],
+                     "mean_accepted_length": round(mal, 4), "vs_frozen": round(mal / frozen, 4) if frozen else None,
+                     "n_prompts": sum(1 for c, _ in questions if c == category)})
+    return rows, mismatches
+
+
+def render_forgetting(rows: list[dict], mismatches: int) -> str:
+    lines = ["", "## Forgetting check (the drafter's own categories, after the stream)", "",
+             "| system | version | category | prompts | mean accepted length | vs shipped | within 5 % |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "-" if r["system"] == "frozen" else ("yes" if r["vs_frozen"] is not None and r["vs_frozen"] >= 0.95 else "NO")
+        lines.append(f"| {r['system']} | {r['version']} | {r['category']} | {r['n_prompts']} | {r['mean_accepted_length']:.3f} | "
+                     f"{r['vs_frozen']:.3f} | {ok} |")
+    lines.append(f"\nprompts whose outputs differ between versions (must be 0): {mismatches}")
+    return "\n".join(lines) + "\n"
+
+
+def write_forgetting(out: Path, rows: list[dict], mismatches: int, command: str) -> str:
+    (out / "forgetting.json").write_text(json.dumps({"command": command, "rows": rows, "mismatches": mismatches}, indent=2) + "\n")
+    return render_forgetting(rows, mismatches)
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 
@@ -158,14 +273,31 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    parser.add_argument("--lr", type=float, default=0.05, help="OGD / optimistic OGD step size (default 0.05)")
-    parser.add_argument("--hedge-lrs", default="0.01,0.05,0.2", help="the Hedge members' step sizes")
-    parser.add_argument("--precondition", choices=("none", "adagrad"), default="none", help="per-coordinate steps (adagrad)")
+    from drafters.online import OnlineConfig
+
+    online = OnlineConfig()  # the library's defaults are the benchmark's
+    parser.add_argument("--lr", type=float, default=online.lr, help=f"OGD / optimistic OGD step size (default {online.lr})")
+    parser.add_argument("--hedge-lrs", default=",".join(map(str, online.hedge_lrs)),
+                        help=f"the Hedge members' step sizes (default {','.join(map(str, online.hedge_lrs))})")
+    parser.add_argument("--precondition", choices=("none", "adagrad"), default=online.precondition,
+                        help=f"adagrad: per-coordinate steps; none: one global step (default {online.precondition})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
     parser.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between)")
     parser.add_argument("--out", default="bench/results/online", help="output folder")
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
     parser.add_argument("--device", default="cpu")
+    add_forgetting_arguments(parser)
+
+
+def add_forgetting_arguments(parser) -> None:
+    parser.add_argument("--forgetting-prompts", default="../shared/data/prompts/dev.jsonl",
+                        help="Spec-Bench question file of the forgetting check (default dev.jsonl)")
+    parser.add_argument("--forgetting-per-category", type=int, default=8,
+                        help="prompts per own category in the forgetting check (default 8; 0 skips the check)")
+    parser.add_argument("--forgetting-categories", default=None,
+                        help="comma-separated categories of the check (default: the drafter's own, bench/speed.py)")
+    parser.add_argument("--forgetting-only", action="store_true",
+                        help="only run the forgetting check, on the learned versions an earlier run left in --out")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -178,6 +310,9 @@ def command_line(args: argparse.Namespace) -> str:
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition, "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []), *(["--target", args.target] if args.target else []),
+        "--forgetting-prompts", args.forgetting_prompts, "--forgetting-per-category", str(args.forgetting_per_category),
+        *(["--forgetting-categories", args.forgetting_categories] if args.forgetting_categories else []),
+        *(["--forgetting-only"] if args.forgetting_only else []),
     ])
 
 
@@ -206,10 +341,12 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--systems", default=d["systems"], help=f"comma-separated, from {','.join(SYSTEMS)} (default all)")
     group.add_argument("--lr", type=float, default=d["lr"], help=f"OGD / optimistic OGD step size (default {d['lr']})")
     group.add_argument("--hedge-lrs", default=d["hedge_lrs"], help=f"the Hedge members' step sizes (default {d['hedge_lrs']})")
-    group.add_argument("--precondition", choices=("none", "adagrad"), default=d["precondition"], help="per-coordinate steps (adagrad)")
+    group.add_argument("--precondition", choices=("none", "adagrad"), default=d["precondition"],
+                       help=f"adagrad: per-coordinate steps; none: one global step (default {d['precondition']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
     group.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between requests)")
+    add_forgetting_arguments(group)
 
 
 def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
@@ -226,6 +363,8 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         target=args.target, device=args.device, dtype=args.dtype, via_specpool=True,
+        forgetting_prompts=args.forgetting_prompts, forgetting_per_category=args.forgetting_per_category,
+        forgetting_categories=args.forgetting_categories, forgetting_only=args.forgetting_only,
     )
 
 
@@ -254,6 +393,16 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(target, args.device, dtype),
                                          drafter_device=args.device, drafter_dtype=dtype))
     engine.drafter(args.drafter)
+    if args.forgetting_only:
+        stores = {s: newest_store(out, s) for s in systems if s != "frozen"}
+        stores = {s: path for s, path in stores.items() if path is not None}
+        check(bool(stores), f"--forgetting-only: no model stores of {', '.join(systems)} in {out / 'stores'}")
+        check(bool(forgetting_categories(args)), f"--forgetting-only: no category to check for drafter {args.drafter!r}; "
+                                                 "give --forgetting-categories and a --forgetting-per-category above 0")
+        rows, mismatches = run_forgetting_check(engine, args, stores)
+        text = write_forgetting(out, rows, mismatches, command_line(args))
+        print(text)
+        return 0 if mismatches == 0 else 1
     run_tag = uuid.uuid4().hex[:8]
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
@@ -311,6 +460,8 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
             if learning is not None:
                 learning.close()
 
+    forgetting, forgetting_mismatches = run_forgetting_check(
+        engine, args, {s: Path(l.config.store) for s, l in learnings.items() if l is not None})
     rows = aggregate(records)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot = None
@@ -329,9 +480,12 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         "prompts whose outputs differ between systems (must be 0)": mismatches,
         "learner counters": json.dumps(counters),
     }
-    (out / "report.md").write_text(render(rows, header, plot))
-    print(render(rows, header, plot))
-    return 0 if mismatches == 0 else 1
+    text = render(rows, header, plot)
+    if forgetting:
+        text += write_forgetting(out, forgetting, forgetting_mismatches, command_line(args))
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0 if mismatches == 0 and forgetting_mismatches == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:

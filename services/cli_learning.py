@@ -41,10 +41,16 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
     group.add_argument(*names("--learn-algorithm", "--algo", "--learner-algo"), dest="learn_algorithm",
                        choices=ALGORITHMS, default="ogd",
                        help="online algorithm: ogd, optimistic (optimistic OGD) or hedge (ensemble of step sizes); default ogd")
+    from drafters.online import OnlineConfig
+
+    online = OnlineConfig()  # its defaults are the options' defaults
     group.add_argument(*names("--learn-lr", "--lr"), dest="learn_lr", type=float, default=None, metavar="LR",
-                       help="step size of ogd / optimistic (default 0.05)")
+                       help=f"step size of ogd / optimistic (default {online.lr})")
     group.add_argument(*names("--learn-hedge-lrs", "--hedge-lrs"), dest="learn_hedge_lrs", default=None, metavar="LRS",
-                       help="comma-separated step sizes of the hedge members (default 0.01,0.05,0.2)")
+                       help=f"comma-separated step sizes of the hedge members (default {','.join(map(str, online.hedge_lrs))})")
+    group.add_argument(*names("--learn-precondition", "--precondition"), dest="learn_precondition", default=None,
+                       choices=("adagrad", "none"),
+                       help=f"adagrad: per-coordinate step sizes; none: one global step (default {online.precondition})")
     group.add_argument(*names("--learn-store", "--store", "--model-store"), dest="learn_store", default=None, metavar="PATH",
                        help="model store: a folder or file:// URI (default $SPECPOOL_HOME/online)")
     group.add_argument(*names("--learn-shared", "--shared"), dest="learn_shared", action="store_true",
@@ -80,6 +86,8 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online = replace(online, lr=args.learn_lr)
     if args.learn_hedge_lrs:
         online = replace(online, hedge_lrs=parse_step_sizes(args.learn_hedge_lrs))
+    if getattr(args, "learn_precondition", None) is not None:
+        online = replace(online, precondition=args.learn_precondition)
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")

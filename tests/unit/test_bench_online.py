@@ -1,5 +1,6 @@
 """bench/online.py: prompts from a corpus (no models), the results rows, and a three-prompt run on
-the tiny target with a tiny zoo drafter (every system's greedy output is the target's own)."""
+the tiny target with a tiny zoo drafter (every system's greedy output is the target's own), with
+its forgetting check, and the check again on its own (--forgetting-only) from the stores it left."""
 
 from __future__ import annotations
 
@@ -42,12 +43,49 @@ def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
     zoo = write_tiny_zoo(model_dirs.target, target_lm[1], tmp_path / "zoo")
     parser = argparse.ArgumentParser()
     add_online_arguments(parser)
-    args = parser.parse_args(["--corpus", str(corpus), "--limit", "3", "--drafter", f"zoo:{zoo}", "--max-new-tokens", "8",
-                              "--out", str(tmp_path / "out"), "--target", str(model_dirs.target), "--lr", "0.1"])
-    assert run_online_bench(args, SimpleNamespace(home=home)) == 0
+    questions = tmp_path / "dev.jsonl"
+    questions.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in
+                                 (("chat", "the cat sat"), ("code", "def f"), ("chat", "the dog ran to"), ("chat", "on the mat"))))
+    argv = ["--corpus", str(corpus), "--limit", "3", "--drafter", f"zoo:{zoo}", "--max-new-tokens", "8",
+            "--out", str(tmp_path / "out"), "--target", str(model_dirs.target), "--lr", "0.1",
+            "--forgetting-prompts", str(questions), "--forgetting-categories", "chat", "--forgetting-per-category", "2"]
+    assert run_online_bench(parser.parse_args(argv), SimpleNamespace(home=home)) == 0
     rows = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {(r["system"], r["segment"]) for r in rows} == {(s, g) for s in ("frozen", "ogd", "optimistic", "hedge")
                                                             for g in ("first_third", "last_third", "all")}
     per_prompt = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
     assert max(r["version"] for r in per_prompt if r["system"] == "ogd") >= 1  # it learned between prompts
     assert (tmp_path / "out" / "report.md").exists()
+
+    forgetting = json.loads((tmp_path / "out" / "forgetting.json").read_text())
+    assert forgetting["mismatches"] == 0  # every learned version still gives the target's greedy output
+    by_system = {r["system"]: r for r in forgetting["rows"]}
+    assert set(by_system) == {"frozen", "ogd", "optimistic", "hedge"}
+    assert {r["category"] for r in forgetting["rows"]} == {"chat"} and all(r["n_prompts"] == 2 for r in forgetting["rows"])
+    assert by_system["frozen"]["version"] == 0 and by_system["frozen"]["vs_frozen"] == 1.0
+    assert by_system["ogd"]["version"] == max(r["version"] for r in per_prompt if r["system"] == "ogd")  # its final version
+    assert "Forgetting check" in (tmp_path / "out" / "report.md").read_text()
+
+    # The check alone, later, on the stores the run left: the same versions, the same figures.
+    (tmp_path / "out" / "forgetting.json").unlink()
+    assert run_online_bench(parser.parse_args(argv + ["--forgetting-only"]), SimpleNamespace(home=home)) == 0
+    again = json.loads((tmp_path / "out" / "forgetting.json").read_text())
+    assert again["rows"] == forgetting["rows"]
+
+
+def test_forgetting_only_needs_stores_and_a_category(tmp_path, model_dirs, home):
+    import pytest
+
+    from router.errors import InvalidArgument
+
+    corpus = tmp_path / "book.txt"
+    corpus.write_text(" ".join(["word"] * 50))
+    parser = argparse.ArgumentParser()
+    add_online_arguments(parser)
+    argv = ["--corpus", str(corpus), "--limit", "3", "--drafter", "ngram", "--out", str(tmp_path / "out"),
+            "--target", str(model_dirs.target), "--forgetting-only"]
+    with pytest.raises(InvalidArgument, match="no model stores"):
+        run_online_bench(parser.parse_args(argv), SimpleNamespace(home=home))
+    (tmp_path / "out" / "stores" / "ogd-1234").mkdir(parents=True)
+    with pytest.raises(InvalidArgument, match="no category to check"):
+        run_online_bench(parser.parse_args(argv), SimpleNamespace(home=home))

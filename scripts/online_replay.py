@@ -1,0 +1,178 @@
+"""Tune online learning offline: replay the online benchmark's prompt stream without serving it.
+
+`specpool bench --online` over 150 prompts takes about 90 minutes on two cores, so step sizes and
+preconditioners were chosen with this replay instead (then checked by one real run):
+
+    python scripts/online_replay.py build --limit 150 --max-new-tokens 64 --out /tmp/stream.pt   # ~4 min
+    python scripts/online_replay.py run /tmp/stream.pt --drafter chat --config '{"lr": 0.002}'  # ~4 min
+
+``build`` stores, per prompt of bench/online.py's stream, the target's greedy answer and its top-20
+p at every answer position (and at every prompt position, for --prefill). ``run`` walks the
+stream in order. For each prompt it first *simulates* greedy speculative decoding at k = 5 with
+the current drafter, with one teacher-forced drafter pass: a round starting at answer position t
+accepts the run of positions where the drafter's argmax is the target's token, up to k, plus the
+bonus token; tokens / rounds is the benchmark's mean accepted length. (The shipped drafters'
+confidence stop is left out, so the absolute figures differ from the real run's; the comparison
+between configurations is what this is for.) Then it learns from that prompt's feedback as the
+learner would: one record per simulated round, on the target's path, context tail 64, one record
+in 8 held out, batches of 4, through ``OnlineDrafterLearner`` with the given ``OnlineConfig``.
+
+It prints the mean accepted length on the first third, the last third and overall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+K = 5  # draft length
+TOP_K = 20  # entries of the target's p per position, as the learner's records carry
+CONTEXT_TAIL = 64  # context tokens a record keeps (LearningConfig.context_tail)
+HOLDOUT_EVERY = 8  # one record in this many is held out (LearningConfig.holdout_every)
+
+
+def build(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from bench.online import stream_prompts
+    from services.config import settings_from_env
+    from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, load_causal_lm
+
+    model, tokenizer = load_causal_lm(ModelConfig(args.target or DEFAULT_TARGET, "cpu", "float32"), settings_from_env().home)
+    eos = model.generation_config.eos_token_id
+    stop = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [chat_prompt_ids(tokenizer, p) for p in stream_prompts(Path(args.corpus), args.limit)]
+    stream = []
+    for start in tqdm(range(0, len(prompts), args.batch), desc="target answers", unit="batch"):
+        batch = prompts[start:start + args.batch]
+        width = max(map(len, batch))  # left padding: every answer starts at column `width`
+        inputs = torch.tensor([[pad] * (width - len(x)) + x for x in batch])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        with torch.no_grad():
+            out = model.generate(input_ids=inputs, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        for row, prompt in zip(out[:, width:].tolist(), batch):
+            stops = [i for i, t in enumerate(row) if t in stop]
+            stream.append({"prompt": prompt, "output": row[: stops[0] + 1] if stops else row})
+    for item in tqdm(stream, desc="target top-K", unit="prompt"):
+        sequence = torch.tensor([item["prompt"] + item["output"]])
+        with torch.no_grad():
+            logits = model(sequence).logits[0, :-1].float()  # row i predicts token i + 1
+        top = logits.softmax(-1).topk(TOP_K, -1)
+        answer = len(item["prompt"]) - 1
+        # Padded batch decoding must give the unpadded greedy answer, or the replay follows a wrong path.
+        if not torch.equal(logits[answer:].argmax(-1), torch.tensor(item["output"])):
+            raise SystemExit("batched greedy answers differ from teacher-forced argmax; rerun with --batch 1")
+        item["top_ids"], item["top_p"] = top.indices[answer:], top.values[answer:]
+        item["prompt_top_ids"], item["prompt_top_p"] = top.indices[:answer], top.values[:answer]
+    torch.save(stream, args.out)
+    print(f"{len(stream)} prompts, {sum(len(x['output']) for x in stream)} answer tokens -> {args.out}")
+
+
+@torch.no_grad()
+def simulate(model, item: dict) -> list[tuple[int, int]]:
+    """(start, accepted) of each round of greedy speculative decoding of ``item``'s answer."""
+    sequence = torch.tensor([item["prompt"] + item["output"]])
+    logits = model(sequence, use_cache=False).logits[0, len(item["prompt"]) - 1: -1]  # (n, V_r)
+    match = (model.vocab_ids[logits.argmax(-1)] == torch.tensor(item["output"])).tolist()
+    n, t, rounds = len(match), 0, []
+    while t < n:
+        accepted = 0
+        while accepted < K and t + accepted < n - 1 and match[t + accepted]:
+            accepted += 1
+        rounds.append((t, accepted))
+        t += accepted + 1  # the accepted tokens and the target's own next token
+    return rounds
+
+
+def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch.Tensor) -> SimpleNamespace:
+    """What make_batch reads of a FeedbackRecord: rows j = 0..len(draft) are p after context + draft[:j]."""
+    return SimpleNamespace(context=tuple(context[-CONTEXT_TAIL:]), draft=tuple(draft),
+                           target_ids=tuple(map(tuple, ids.tolist())), target_probs=tuple(map(tuple, probs.tolist())))
+
+
+def run(args: argparse.Namespace) -> None:
+    from drafters.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM, make_batch
+    from drafters.zoo import load_zoo_model
+    from services.config import settings_from_env
+    from target.models import DEFAULT_TARGET
+
+    torch.manual_seed(0)
+    stream = torch.load(args.stream, weights_only=False)
+    folder = Path(__file__).resolve().parents[1] / "drafters" / "zoo" / args.drafter
+    base, _ = load_zoo_model(folder, settings_from_env().home, args.target or DEFAULT_TARGET)
+    learner = None if args.frozen else OnlineDrafterLearner(base, OnlineConfig(**json.loads(args.config)))
+    started, counted, per_prompt = time.time(), 0, []
+    for item in stream:
+        if learner is None:
+            model = base
+        elif len(learner.members) == 1:
+            model = learner.members[0]
+        else:
+            model = ZooEnsembleLM(learner.members, learner.weights)
+        rounds = simulate(model.eval(), item)
+        per_prompt.append((len(item["output"]), len(rounds)))
+        if learner is None:
+            continue
+        full, n = item["prompt"] + item["output"], len(item["output"])
+        records = []
+        for t, _ in rounds:  # one record per verified round, drafted on the target's path
+            width = min(K, n - t - 1)
+            counted += 1
+            if width > 0 and counted % HOLDOUT_EVERY:
+                records.append(record(full[: len(item["prompt"]) + t], item["output"][t:t + width],
+                                      item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]))
+        if args.prefill:  # the target's p on the prompt itself, in chunks of 32 positions
+            prompt = item["prompt"]
+            for s in range(1, len(prompt) - 1, 32):
+                e = min(s + 32, len(prompt) - 1)
+                records.append(record(prompt[:s], prompt[s:e], item["prompt_top_ids"][s - 1:e], item["prompt_top_p"][s - 1:e]))
+        for _ in range(args.epochs):
+            for s in range(0, len(records), args.batch_records):
+                learner.step(make_batch(records[s:s + args.batch_records], learner.vocab_map))
+    third = len(per_prompt) // 3
+
+    def mean_accepted_length(rows):
+        return round(sum(r[0] for r in rows) / max(sum(r[1] for r in rows), 1), 4)
+
+    print(json.dumps({"drafter": args.drafter, "config": "frozen" if args.frozen else args.config,
+                      "prefill": args.prefill, "epochs": args.epochs,
+                      "first_third": mean_accepted_length(per_prompt[:third]),
+                      "last_third": mean_accepted_length(per_prompt[-third:]),
+                      "all": mean_accepted_length(per_prompt), "seconds": round(time.time() - started)}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    b = commands.add_parser("build", help="target answers and top-K p of the stream")
+    b.add_argument("--corpus", default="../shared/data/prose/gutenberg")
+    b.add_argument("--limit", type=int, default=150)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--batch", type=int, default=8, help="prompts per batched greedy generate")
+    b.add_argument("--target", default=None)
+    b.add_argument("--out", required=True)
+    r = commands.add_parser("run", help="replay the stream with one configuration")
+    r.add_argument("stream")
+    r.add_argument("--drafter", default="chat", help="shipped zoo drafter (default chat)")
+    r.add_argument("--config", default="{}", help='OnlineConfig fields as JSON, e.g. {"algorithm": "hedge"}')
+    r.add_argument("--frozen", action="store_true", help="no learning (the baseline)")
+    r.add_argument("--prefill", action="store_true", help="also learn from the target's p on the prompt tokens")
+    r.add_argument("--epochs", type=int, default=1, help="passes over each prompt's records")
+    r.add_argument("--batch-records", type=int, default=4)
+    r.add_argument("--target", default=None)
+    args = parser.parse_args(argv)
+    build(args) if args.command == "build" else run(args)
+
+
+if __name__ == "__main__":
+    main()
