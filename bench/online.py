@@ -300,6 +300,36 @@ def add_forgetting_arguments(parser) -> None:
                         help="only run the forgetting check, on the learned versions an earlier run left in --out")
 
 
+def rerender(out: Path) -> int:
+    """``python -m bench.online --rerender DIR``: results.json, report.md and the plot again from
+    DIR/per_prompt.jsonl (and DIR/run.json, DIR/forgetting.json when present). A run stopped early
+    is reported as the stream it completed: its thirds are of the prompts every system finished."""
+    raw = out / "per_prompt.jsonl"
+    check(raw.is_file(), f"{raw} does not exist: nothing to rerender")
+    records = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    done = {i for i in {r["prompt_index"] for r in records} if sum(r["prompt_index"] == i for r in records) == len(systems)}
+    records = [r for r in records if r["prompt_index"] in done and r["prompt_index"] < len(done)]  # whole prompts, in order
+    check(len(done) >= 3, f"{raw} holds {len(done)} complete prompts; the report compares thirds (3 or more)")
+    header = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    header["prompts completed (rerendered from per_prompt.jsonl)"] = len(done)
+    rows = aggregate(records)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot = None
+    try:
+        plot_curves(records, out / "learning_curves.png")
+        plot = "learning_curves.png"
+    except ImportError:
+        pass
+    text = render(rows, header, plot)
+    if (out / "forgetting.json").is_file():
+        saved = json.loads((out / "forgetting.json").read_text())
+        text += render_forgetting(saved["rows"], saved["mismatches"]) + f"\n(command: `{saved['command']}`)\n"
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
 def command_line(args: argparse.Namespace) -> str:
     if getattr(args, "via_specpool", False):  # the same run, as `specpool bench --online` spells it
         head = ["specpool", "bench", "--online", "--prompts", args.corpus, "--limit", str(args.limit), "--drafters", args.drafter]
@@ -404,6 +434,12 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         print(text)
         return 0 if mismatches == 0 else 1
     run_tag = uuid.uuid4().hex[:8]
+    (out / "run.json").write_text(json.dumps({  # what a --rerender of a stopped run reports
+        "command": command_line(args), "machine": json.dumps(machine_info(args.device)), "target": target,
+        "drafter": args.drafter, "k": args.k, "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
+        "prompts": len(prompts), "corpus": args.corpus,
+        "learner": "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)",
+    }, indent=2) + "\n")
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition))
@@ -454,6 +490,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
                 for r in sorted(runs, key=lambda r: systems.index(r["system"])):
                     records.append(r)
                     raw.write(json.dumps(r) + "\n")
+                raw.flush()  # a stopped run can still be reported (--rerender)
     finally:
         engine.learning = None
         for learning in learnings.values():
@@ -491,7 +528,12 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     from services.config import settings_from_env
 
-    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rerender"]:
+        check(len(argv) == 2, "usage: python -m bench.online --rerender DIR")
+        return rerender(Path(argv[1]))
+    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__.split("\n\n")[0],
+                                     epilog="python -m bench.online --rerender DIR: the report again from DIR/per_prompt.jsonl")
     add_online_arguments(parser)
     return run_online_bench(parser.parse_args(argv), settings_from_env())
 

@@ -12,7 +12,11 @@ Per request:
 - ``should_stop`` (the caller cancelled or its deadline passed) ends the loop before the next
   round, and the session's caches are then released in the target and every drafter used;
 - a normally finished session keeps its caches (a continued session reuses them; each server
-  evicts the least recently used beyond its capacity).
+  evicts the least recently used beyond its capacity);
+- with a ``feedback`` emitter (online learning, issue 6), every round that drafted something asks
+  the target for its top-K p and becomes a bounded record on the feedback stream, for
+  ``specpool learner``; tenants in ``feedback_opt_out`` emit nothing. Emitting never fails a
+  request (``FeedbackEmitter`` counts its own errors).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Callable, Mapping
 from drafters.base import Drafter
 from router.bandit import BanditChooser
 from router.errors import Cancelled, NotFound, SessionBusy, check
-from router.loop import RoundRecord, Verifier, speculative_generate
+from drafters.feedback import FeedbackEmitter
+from router.loop import RoundFeedback, RoundRecord, Verifier, speculative_generate
 from router.policies import PolicyOptions, make_policy, parse_arm
 from router.session_store import SessionKey, SessionStore
 from services.api import GenerationSpec, Stats
@@ -142,6 +147,9 @@ class RouterCore:
         store: SessionStore,
         settings: RouterSettings = RouterSettings(),
         metrics: Metrics | None = None,
+        feedback: FeedbackEmitter | None = None,
+        feedback_top_k: int = 20,
+        feedback_opt_out: frozenset[str] = frozenset(),
     ):
         self.tokenizer = tokenizer
         self.info = info
@@ -150,6 +158,9 @@ class RouterCore:
         self.store = store
         self.settings = settings
         self.metrics = metrics or NoMetrics()
+        self.feedback = feedback
+        self.feedback_top_k = feedback_top_k
+        self.feedback_opt_out = feedback_opt_out
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share between threads
         self._active_lock = threading.Lock()
         self._active: set[tuple[str, str]] = set()  # (tenant, session) running here
@@ -256,10 +267,19 @@ class RouterCore:
         def on_round(record: RoundRecord) -> None:
             self.metrics.round(prepared.tenant, record)
 
+        feedback = None
+        if self.feedback is not None and prepared.tenant not in self.feedback_opt_out:
+            emitter, tenant = self.feedback, prepared.tenant
+
+            def feedback(fb: RoundFeedback) -> None:
+                # Served drafters draft with their shipped weights: weight version 0.
+                emitter(fb, tenant, 0)
+
         result = speculative_generate(
             prepared.prompt_ids, session_id=prepared.session_id, drafters=prepared.drafters,
             chooser=prepared.chooser, verifier=self.verifier, params=prepared.params, k=prepared.k,
             on_tokens=on_tokens, should_stop=stop, on_round=on_round,
+            feedback=feedback, return_top_k=self.feedback_top_k if feedback is not None else 0,
         )
         finish = "stop" if text.hit else result.finish_reason
         tail = text.flush()

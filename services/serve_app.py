@@ -318,9 +318,29 @@ class RouterServer:
             self.store,
             RouterSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta),
             RayMetrics(),
+            feedback=self._feedback_emitter(args),
+            feedback_top_k=args.feedback_top_k,
+            feedback_opt_out=frozenset(args.feedback_opt_out),
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
+
+    @staticmethod
+    def _feedback_emitter(args: RouterArgs):
+        """Online learning: verification feedback to a Redis stream for `specpool learner`."""
+        if not args.feedback:
+            return None
+        from drafters.feedback import FeedbackEmitter
+        from drafters.feedback_redis import RedisFeedbackStream
+
+        return FeedbackEmitter(RedisFeedbackStream(args.redis_url, stream=args.feedback_stream))
+
+    async def Feedback(self) -> dict:
+        """Feedback records emitted, rounds skipped and emit errors of this replica (tests, ops)."""
+        emitter = self.core.feedback
+        if emitter is None:
+            return {"enabled": False}
+        return {"enabled": True, "emitted": emitter.emitted, "skipped": emitter.skipped, "errors": emitter.errors}
 
     # -- errors: the one mapping --------------------------------------------------------------------
     def _fail(self, exc: BaseException, grpc_context: Any) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from router.errors import InvalidArgument, NotFound
+from router.session_store import TENANT_PATTERN
 
 DEFAULT_TARGET = "smollm2-135m-instruct"  # = target.models.DEFAULT_TARGET (a unit test checks)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -135,6 +136,12 @@ class RouterArgs:
     max_new_tokens: int = 128  # when a request leaves max_new_tokens at 0 (the embedded engine's default)
     retry_s: float = 60.0  # how long a round retries a model server that is unavailable (replica replaced)
     transport: str = "grpc"  # "grpc": calls to the target and drafters travel over Serve's replica gRPC; "actor": Ray actor calls
+    # Online learning: every verified round becomes a record on this Redis stream (at redis_url)
+    # for `specpool learner`; the target then also returns its top-K p per position.
+    feedback: bool = False
+    feedback_stream: str = "specpool:feedback"
+    feedback_top_k: int = 20  # entries of the target's p per position in a record (1..64)
+    feedback_opt_out: tuple[str, ...] = ()  # tenants whose rounds are never sent
 
     @property
     def pool(self) -> list[str]:
@@ -196,6 +203,19 @@ class RouterArgs:
             if args["transport"] not in ("grpc", "actor"):
                 raise InvalidArgument(f"{where}: transport must be grpc or actor, got {args['transport']!r}")
             out["transport"] = args["transport"]
+        if "feedback" in args:
+            if not isinstance(args["feedback"], bool):
+                raise InvalidArgument(f"{where}: feedback must be true or false, got {args['feedback']!r}")
+            out["feedback"] = args["feedback"]
+        if "feedback_stream" in args:
+            out["feedback_stream"] = _str(where, "feedback_stream", args["feedback_stream"])
+        if "feedback_top_k" in args:
+            out["feedback_top_k"] = _int(where, "feedback_top_k", args["feedback_top_k"], 1, 64)
+        if "feedback_opt_out" in args:
+            tenants = args["feedback_opt_out"]
+            if not isinstance(tenants, (list, tuple)) or not all(isinstance(t, str) and TENANT_PATTERN.fullmatch(t) for t in tenants):
+                raise InvalidArgument(f"{where}: feedback_opt_out must be a list of tenant ids, got {tenants!r}")
+            out["feedback_opt_out"] = tuple(tenants)
         parsed = cls(**out)
         parsed.check_policy()
         return parsed

@@ -8,7 +8,10 @@ import argparse
 import json
 from types import SimpleNamespace
 
-from bench.online import add_online_arguments, aggregate, passages, run_online_bench, segment_of, stream_prompts
+import pytest
+
+from bench.online import add_online_arguments, aggregate, main, passages, rerender, run_online_bench, segment_of, stream_prompts
+from router.errors import InvalidArgument
 from online_helpers import write_tiny_zoo
 
 HEADER = "*** START OF THE PROJECT GUTENBERG EBOOK X ***\n"
@@ -72,12 +75,18 @@ def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
     again = json.loads((tmp_path / "out" / "forgetting.json").read_text())
     assert again["rows"] == forgetting["rows"]
 
+    # --rerender: the same rows from per_prompt.jsonl; a stream stopped inside a prompt is cut to whole prompts.
+    out = tmp_path / "out"
+    assert main(["--rerender", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text()) == rows
+    assert "learning_curves.png" in (out / "report.md").read_text() and "Forgetting check" in (out / "report.md").read_text()
+    lines = (out / "per_prompt.jsonl").read_text().splitlines()
+    (out / "per_prompt.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # the last prompt lacks one system
+    with pytest.raises(InvalidArgument, match="2 complete prompts"):
+        rerender(out)
+
 
 def test_forgetting_only_needs_stores_and_a_category(tmp_path, model_dirs, home):
-    import pytest
-
-    from router.errors import InvalidArgument
-
     corpus = tmp_path / "book.txt"
     corpus.write_text(" ".join(["word"] * 50))
     parser = argparse.ArgumentParser()

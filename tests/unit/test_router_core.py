@@ -194,3 +194,28 @@ def test_detokenizer_holds_back_incomplete_text_and_stops():
     assert chunk.token_ids == [2, 3] and d.hit
     assert d.add([5]).token_ids == []
     assert d.token_ids == [0, 1, 9, 2, 3]
+
+
+def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
+    """Served online learning: each round that drafted becomes a record with the target's top-K p
+    (as the learner reads it); the answer is the same as without feedback; opted-out tenants send nothing."""
+    from drafters.feedback import FeedbackEmitter, FeedbackRecord, InProcessFeedbackStream
+
+    core, *_ = parts
+    reference = core.run(core.prepare(spec(session_id="plain", tenant="acme")))
+    stream = InProcessFeedbackStream(1000)
+    core.feedback, core.feedback_top_k, core.feedback_opt_out = FeedbackEmitter(stream, context_tail=16), 8, frozenset({"quiet"})
+    outcome = core.run(core.prepare(spec(session_id="taught", tenant="acme")))
+    assert outcome.token_ids == reference.token_ids
+    records = [FeedbackRecord.decode(d.payload) for d in stream.read("learner", 1000)]
+    drafted = outcome.stats.rounds_by_drafter
+    assert len(records) == core.feedback.emitted > 0 and core.feedback.errors == 0
+    assert len(records) + core.feedback.skipped <= outcome.stats.rounds
+    assert sum(len(r.draft) for r in records) == outcome.stats.draft_tokens  # every drafted round, once
+    assert sum(r.accepted for r in records) == outcome.stats.accepted_tokens
+    for r in records:
+        assert (r.tenant, r.session, r.version) == ("acme", "taught", 0) and r.drafter in drafted
+        assert len(r.target_ids) == len(r.draft) + 1 and all(len(row) == 8 for row in r.target_ids)
+        assert 0 < len(r.context) <= 16
+    core.run(core.prepare(spec(session_id="q", tenant="quiet")))
+    assert stream.read("learner", 1000) == [] and core.feedback.emitted == len(records)

@@ -39,6 +39,11 @@ def test_router_args_parse_and_keep_the_pool_order():
                              "drafter_apps": {"ngram": "drafter-ngram", "code": "drafter-code"}, "num_replicas": 2,
                              "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}})
     assert args.pool == ["ngram", "code"] and args.k == 3 and args.num_replicas == 2 and args.transport == "grpc"
+    assert not args.feedback  # online-learning feedback is opt-in
+    learning = RouterArgs.parse({"drafter_apps": {"code": "d"}, "feedback": True, "feedback_stream": "fb",
+                                 "feedback_top_k": 32, "feedback_opt_out": ["acme", "beta.co"]})
+    assert (learning.feedback, learning.feedback_stream, learning.feedback_top_k, learning.feedback_opt_out) == \
+        (True, "fb", 32, ("acme", "beta.co"))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -54,6 +59,10 @@ def test_router_args_parse_and_keep_the_pool_order():
     ({"drafter_apps": {"ngram": "a"}, "policy": "fixed:code"}, "does not serve"),
     ({"drafter_apps": {"ngram": "a"}, "ray_actor_options": {"num_cpus": -1}}, "num_cpus must be >= 0"),
     ({"drafter_apps": {"ngram": "a"}, "transport": "udp"}, "transport must be grpc or actor"),
+    ({"drafter_apps": {"ngram": "a"}, "feedback": "yes"}, "feedback must be true or false"),
+    ({"drafter_apps": {"ngram": "a"}, "feedback_top_k": 65}, "feedback_top_k must be in 1..64"),
+    ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": "acme"}, "feedback_opt_out must be a list of tenant ids"),
+    ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": ["bad tenant"]}, "feedback_opt_out must be a list of tenant ids"),
     ("not a mapping", "args must be a mapping"),
 ])
 def test_router_args_errors(args, message):
