@@ -76,6 +76,8 @@ def served(raw_redis):
     config = default_serve_config(POOL, URL, port, k=K)
     router = next(a for a in config["applications"] if a["name"] == "router")
     router["args"]["redis_namespace"] = namespace
+    # Online learning on (so every test here also shows feedback changes no answer); "quiet" opts out.
+    router["args"].update(feedback=True, feedback_stream=f"{namespace}:feedback", feedback_opt_out=["quiet"])
     local = start_local(plan_from_config(config, "the test config"), metrics_port=metrics_port,
                         progress=lambda m: print(f"[served] {m}", flush=True))
     from ray import serve
@@ -301,6 +303,40 @@ def test_metrics_endpoint_has_counters_per_drafter_and_tenant(served, client):
                    "specpool_block_divergence", "specpool_accepted_length", "specpool_round_seconds"):
         assert any(metric in name for name in names), (metric, sorted(names))
     assert any('part="verify"' in line for line in lines) and any('status="OK"' in line for line in lines)
+
+
+def test_served_rounds_become_feedback_that_specpool_learner_learns_from(served, client, raw_redis, reference, tmp_path):
+    """Issue 6 in served mode: the router sends each drafted round (with the target's top-K p) to
+    the Redis stream; `specpool learner` consumes it and publishes the tenant's variant; an
+    opted-out tenant sends nothing; the answer is the embedded engine's."""
+    from drafters.feedback import FeedbackRecord
+    from drafters.feedback_redis import FIELD
+    from drafters.model_store import DirectoryModelStore, VariantKey
+    from services.cli import main
+
+    stream = f"{served.namespace}:feedback"
+    tenant = f"learn-{uuid.uuid4().hex[:6]}"
+
+    def records_of(who: str) -> list:
+        return [r for r in (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(stream))
+                if r.tenant == who]
+
+    answer = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, session_id="taught", tenant=tenant)
+    assert list(answer.token_ids) == reference(PROMPTS[1])
+    records = _wait(lambda: records_of(tenant), 30, "feedback records in the stream")
+    assert sum(len(r.draft) for r in records) == answer.stats.draft_tokens  # every drafted round, once
+    assert sum(r.accepted for r in records) == answer.stats.accepted_tokens
+    assert all(r.session == "taught" and r.drafter in POOL and len(r.target_ids) == len(r.draft) + 1 for r in records)
+    client.generate(PROMPTS[1], max_new_tokens=8, session_id="silent", tenant="quiet")
+    assert records_of("quiet") == []
+    assert _call(served.handles.router, "Feedback")["errors"] == 0
+
+    if not any(r.drafter == "code" for r in records):
+        pytest.skip("the bandit never drafted with the zoo drafter in this answer: nothing learnable")
+    store = tmp_path / "store"
+    assert main(["learner", "--once", "--redis", URL, "--stream", stream, "--drafters", "code", "--store", str(store),
+                 "--no-progress"]) == 0
+    assert (DirectoryModelStore(store).serving(VariantKey(tenant, "code")) or 0) >= 1  # learned and published
 
 
 def test_cli_client_generate(served, reference):
