@@ -16,6 +16,7 @@ import torch
 
 from drafters.base import Proposal
 from router.errors import InvalidArgument, check
+from router.session_store import TENANT_PATTERN
 from services.api import decimal_float
 from services.gen.specpool.v1 import common_pb2, drafter_pb2, target_pb2
 from target.rejection import SparseDist
@@ -92,9 +93,12 @@ def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
 
 # -- Drafter.Propose ----------------------------------------------------------------------------------
 def propose_request_to_proto(session_id: str, context_ids: list[int], k: int, params: SamplingParams,
-                             drafter: str = "") -> drafter_pb2.ProposeRequest:
+                             drafter: str = "", tenant: str = "", weight_version: int | None = None) -> drafter_pb2.ProposeRequest:
+    """``weight_version`` None: the tenant's serving version (a request's first round); a number:
+    exactly that version (its later rounds)."""
     return drafter_pb2.ProposeRequest(session_id=session_id, context_ids=context_ids, k=k,
-                                      sampling=sampling_to_proto(params), drafter=drafter)
+                                      sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
+                                      weight_version=weight_version or 0, exact_version=weight_version is not None)
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,17 @@ class ProposeArgs:
     k: int
     params: SamplingParams
     drafter: str  # "" = the server's only drafter
+    tenant: str = ""  # whose learned variant drafts ("" = the shipped weights)
+    weight_version: int | None = None  # None: the tenant's serving version; a number: exactly it
 
 
 def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
     check(1 <= msg.k <= MAX_DRAFT_LENGTH, f"k (draft length) must be in 1..{MAX_DRAFT_LENGTH}, got {msg.k}")
     check(len(msg.context_ids) > 0, "a propose request needs a non-empty context")
-    return ProposeArgs(_session(msg.session_id), list(msg.context_ids), int(msg.k), sampling_from_proto(msg.sampling), msg.drafter)
+    if msg.tenant:
+        check(TENANT_PATTERN.fullmatch(msg.tenant) is not None, f"invalid tenant {msg.tenant!r}")
+    return ProposeArgs(_session(msg.session_id), list(msg.context_ids), int(msg.k), sampling_from_proto(msg.sampling), msg.drafter,
+                       msg.tenant, int(msg.weight_version) if msg.exact_version else None)
 
 
 def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb2.ProposeResponse:

@@ -20,6 +20,7 @@ round draws the same random numbers) for up to ``retry_s`` seconds.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -79,18 +80,45 @@ class RemoteVerifier:
 
 
 class RemoteDrafter:
-    """One drafter deployment as a ``Drafter``."""
+    """One drafter deployment as a ``Drafter``.
+
+    Learned versions (online learning): between ``begin_request`` and ``end_request`` of a
+    session, the first Propose lets the replica choose the tenant's serving version and every
+    later one asks for exactly the version it returned, so the request never mixes versions, even
+    when its rounds reach different replicas."""
 
     def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None):
         self.name = name
         self.caller = caller
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.cost = CostMeter()  # as seen by the router: wall time of a remote propose per token
+        self._requests: dict[str, tuple[str, int | None]] = {}  # session -> (tenant, its request's version)
+        self._lock = threading.Lock()
+
+    def begin_request(self, session_id: str, tenant: str) -> None:
+        with self._lock:
+            self._requests[session_id] = (tenant, None)
+
+    def end_request(self, session_id: str) -> None:
+        with self._lock:
+            self._requests.pop(session_id, None)
+
+    def version_of(self, session_id: str) -> int:
+        """The weights version the session's current request drafts with (0 before its first round)."""
+        with self._lock:
+            return self._requests.get(session_id, ("", None))[1] or 0
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
-        request = convert.propose_request_to_proto(session_id, context_ids, k, params)
-        proposal = convert.proposal_from_proto(self.caller.call("Propose", request, session_id))
+        with self._lock:
+            tenant, version = self._requests.get(session_id, ("", None))
+        request = convert.propose_request_to_proto(session_id, context_ids, k, params, tenant=tenant, weight_version=version)
+        response = self.caller.call("Propose", request, session_id)
+        proposal = convert.proposal_from_proto(response)
+        if version is None:
+            with self._lock:
+                if session_id in self._requests:
+                    self._requests[session_id] = (tenant, int(response.weight_version))
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal
 

@@ -15,8 +15,9 @@ Per request:
   evicts the least recently used beyond its capacity);
 - with a ``feedback`` emitter (online learning, issue 6), every round that drafted something asks
   the target for its top-K p and becomes a bounded record on the feedback stream, for
-  ``specpool learner``; tenants in ``feedback_opt_out`` emit nothing. Emitting never fails a
-  request (``FeedbackEmitter`` counts its own errors).
+  ``specpool learner``, stamped with the weights version that drafted it; tenants in
+  ``feedback_opt_out`` emit nothing. Emitting never fails a request (``FeedbackEmitter`` counts
+  its own errors).
 """
 
 from __future__ import annotations
@@ -272,15 +273,24 @@ class RouterCore:
             emitter, tenant = self.feedback, prepared.tenant
 
             def feedback(fb: RoundFeedback) -> None:
-                # Served drafters draft with their shipped weights: weight version 0.
-                emitter(fb, tenant, 0)
+                # The weights version that drafted (0: shipped weights, or a drafter with none).
+                version_of = getattr(prepared.drafters.get(fb.drafter), "version_of", None)
+                emitter(fb, tenant, version_of(fb.session_id) if version_of is not None else 0)
 
-        result = speculative_generate(
-            prepared.prompt_ids, session_id=prepared.session_id, drafters=prepared.drafters,
-            chooser=prepared.chooser, verifier=self.verifier, params=prepared.params, k=prepared.k,
-            on_tokens=on_tokens, should_stop=stop, on_round=on_round,
-            feedback=feedback, return_top_k=self.feedback_top_k if feedback is not None else 0,
-        )
+        # Remote drafters pin one weights version per request (services/remote.py).
+        requests = [d for d in prepared.drafters.values() if hasattr(d, "begin_request")]
+        for drafter in requests:
+            drafter.begin_request(prepared.session_id, prepared.tenant)  # type: ignore[attr-defined]
+        try:
+            result = speculative_generate(
+                prepared.prompt_ids, session_id=prepared.session_id, drafters=prepared.drafters,
+                chooser=prepared.chooser, verifier=self.verifier, params=prepared.params, k=prepared.k,
+                on_tokens=on_tokens, should_stop=stop, on_round=on_round,
+                feedback=feedback, return_top_k=self.feedback_top_k if feedback is not None else 0,
+            )
+        finally:
+            for drafter in requests:
+                drafter.end_request(prepared.session_id)  # type: ignore[attr-defined]
         finish = "stop" if text.hit else result.finish_reason
         tail = text.flush()
         tokens = text.token_ids  # the loop's tokens, cut after a stop string

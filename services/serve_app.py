@@ -229,6 +229,15 @@ class DrafterServer:
         _set_threads(args.threads)
         self.args = args
         self.drafter = create_drafter(args.name, DrafterContext(_home(), args.target, args.device, args.dtype))
+        self.variants = None  # learned versions per tenant (online learning), when a model store is set
+        if args.model_store is not None:
+            from drafters.hot_swap import ServedVariants, learnable
+            from drafters.model_store import open_model_store
+
+            if learnable(self.drafter):
+                self.variants = ServedVariants(self.drafter, open_model_store(args.model_store), args.learn_shared, args.refresh_s)
+            else:
+                logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
         self._live: set[str] = set()
 
@@ -237,12 +246,15 @@ class DrafterServer:
         if args.drafter and args.drafter != self.args.name:
             raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
         loop = asyncio.get_running_loop()
-        proposal = await loop.run_in_executor(self._model_thread, self._propose, args)
-        return convert.proposal_to_proto(proposal)
+        proposal, version = await loop.run_in_executor(self._model_thread, self._propose, args)
+        return convert.proposal_to_proto(proposal, version)
 
     def _propose(self, args):
         self._live.add(args.session_id)
-        return self.drafter.propose(args.session_id, args.context_ids, args.k, args.params)
+        version, drafter = 0, self.drafter
+        if self.variants is not None:
+            version, drafter = self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)
+        return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         loop = asyncio.get_running_loop()
@@ -250,7 +262,10 @@ class DrafterServer:
 
     def _release(self, session_id: str) -> bool:
         held = session_id in self._live
-        self.drafter.release(session_id)
+        if self.variants is not None:
+            self.variants.release(session_id)  # every version's caches (the shipped weights' too)
+        else:
+            self.drafter.release(session_id)
         self._live.discard(session_id)
         return held
 

@@ -296,6 +296,12 @@ class DrafterArgs:
     ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 0.5, "num_gpus": 0})
     max_ongoing_requests: int = 64
     torch_threads: int | None = None  # None: the replica's num_cpus (at least 1)
+    # Online learning: the model store `specpool learner` publishes to (a folder or file:// URI on
+    # a filesystem every replica sees). Set, a zoo drafter drafts each tenant's request with the
+    # tenant's serving version (one shared variant with learn_shared), checked every refresh_s.
+    model_store: str | None = None
+    learn_shared: bool = False
+    refresh_s: float = 5.0
 
     @property
     def threads(self) -> int:
@@ -326,6 +332,14 @@ class DrafterArgs:
             out["max_ongoing_requests"] = _int(where, "max_ongoing_requests", args["max_ongoing_requests"], 1)
         if args.get("torch_threads") is not None:
             out["torch_threads"] = _int(where, "torch_threads", args["torch_threads"], 1)
+        if args.get("model_store") is not None:
+            out["model_store"] = _str(where, "model_store", args["model_store"])
+        if "learn_shared" in args:
+            if not isinstance(args["learn_shared"], bool):
+                raise InvalidArgument(f"{where}: learn_shared must be true or false, got {args['learn_shared']!r}")
+            out["learn_shared"] = args["learn_shared"]
+        if "refresh_s" in args:
+            out["refresh_s"] = _float(where, "refresh_s", args["refresh_s"], 0.0)
         return cls(**out)
 
 

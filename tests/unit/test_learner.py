@@ -475,3 +475,67 @@ def test_learning_only_between_requests(home, model_dirs, zoo_spec, tmp_path, pr
         assert engine.learning.slot("a", zoo_spec).version >= 1
     finally:
         engine.learning.close()
+
+
+# --- served drafter replicas: learned versions per tenant, one per request ---------------------------
+
+
+def test_served_variants_pin_one_version_per_request_and_follow_promotions(tmp_path, zoo_base, prompts):
+    """What a served drafter replica (services/serve_app.py DrafterServer) does with a model store:
+    a request's first round gets the tenant's serving version, its later rounds exactly that one
+    (also on a fresh replica, from the store), other tenants keep theirs."""
+    from drafters.hot_swap import ServedVariants
+    from drafters.model_store import SHARED_SCOPE
+    from drafters.online import OnlineDrafterLearner
+    from drafters.zoo import ZooDrafter
+    from router.errors import ModelUnavailable
+    from target.sampling import SamplingParams
+
+    store = DirectoryModelStore(tmp_path / "store")
+    base = ZooDrafter(DRAFTER, zoo_base, {"target_tokenizer_fingerprint": "x"})
+
+    def promote(key: VariantKey, scale: float) -> int:
+        learner = OnlineDrafterLearner(zoo_base, OnlineConfig())
+        with torch.no_grad():
+            for p in learner.members[0].parameters():
+                if p.requires_grad:
+                    p.mul_(scale)
+        version = store.publish(key, *learner.serving_tensors())
+        store.promote(key, version)
+        return version
+
+    params = SamplingParams(max_new_tokens=8)
+
+    def draft(drafter, session: str):
+        proposal = drafter.propose(session, prompts[0], 4, params)
+        return proposal.tokens, [q.probs.tolist() for q in proposal.q]
+
+    variants = ServedVariants(base, store, refresh_every_s=0.0)
+    assert variants.pick("t1") == (0, base)  # nothing learned yet: the shipped weights
+    v1 = promote(KEY, 0.9)
+    version, first = variants.pick("t1")
+    assert version == v1 == 1 and first is not base
+    assert variants.pick("t1", 1, exact=True)[1] is first and variants.pick("t2") == (0, base)
+    v2 = promote(KEY, 0.8)
+    assert variants.pick("t1")[0] == v2  # the next request drafts with the new version ...
+    assert variants.pick("t1", v1, exact=True)[1] is first  # ... a running one keeps its own
+    assert variants.pick("t1", 0, exact=True)[1] is base
+
+    fresh = ServedVariants(base, store)  # another replica, after a failover: v1 from the store
+    assert draft(fresh.pick("t1", v1, exact=True)[1], "s-fresh") == draft(first, "s-first")
+    assert draft(first, "s-first") != draft(base, "s-base")  # (the versions really differ)
+    with pytest.raises(ModelUnavailable, match="version 99"):
+        fresh.pick("t1", 99, exact=True)
+    with pytest.raises(ModelUnavailable, match="needs the request's tenant"):
+        fresh.pick("", 1, exact=True)
+    assert fresh.pick("") == (0, base)
+
+    shared = ServedVariants(base, store, shared=True, refresh_every_s=0.0)
+    assert shared.pick("t1") == (0, base)  # the shared variant has no version yet
+    promote(VariantKey(SHARED_SCOPE, DRAFTER), 0.7)
+    assert shared.pick("t2")[0] == 1 and shared.pick("t1")[1] is shared.pick("t2")[1]
+
+    variants.release("s-first")  # every version's caches of the session
+    assert "s-first" not in first.caches._caches and "s-base" in base.caches._caches
+    variants.release("s-base")
+    assert "s-base" not in base.caches._caches

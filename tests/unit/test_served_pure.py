@@ -98,6 +98,15 @@ def test_drafter_args():
         DrafterArgs.parse({})
     with pytest.raises(NotFound, match="unknown drafter 'bogus'"):
         DrafterArgs.parse({"name": "bogus"})
+    plain = DrafterArgs.parse({"name": "code"})
+    assert (plain.model_store, plain.learn_shared, plain.refresh_s) == (None, False, 5.0)  # learned versions: opt-in
+    learning = DrafterArgs.parse({"name": "code", "model_store": "/shared/online", "learn_shared": True, "refresh_s": 0})
+    assert (learning.model_store, learning.learn_shared, learning.refresh_s) == ("/shared/online", True, 0.0)
+    for bad, message in (({"model_store": ""}, "model_store must be a non-empty string"),
+                         ({"learn_shared": "yes"}, "learn_shared must be true or false"),
+                         ({"refresh_s": -1}, "refresh_s must be >= 0")):
+        with pytest.raises(InvalidArgument, match=message):
+            DrafterArgs.parse({"name": "code", **bad})
 
 
 def test_the_kubernetes_serve_config_is_a_valid_plan():
@@ -230,6 +239,15 @@ def test_proposal_round_trip():
     assert back.tokens == [4, 8] and back.forward_s == 0.01 and torch.equal(back.q[0].probs, proposal.q[0].probs)
     args = convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1, 2], 5, SamplingParams(seed=3)))
     assert (args.session_id, args.context_ids, args.k, args.params.seed, args.drafter) == ("s", [1, 2], 5, 3, "")
+    assert (args.tenant, args.weight_version) == ("", None)  # a first round: the serving version
+    for version in (0, 7):  # later rounds: exactly the first round's version (0 = the shipped weights)
+        pinned = convert.propose_request_from_proto(convert.propose_request_to_proto(
+            "s", [1], 2, SamplingParams(), tenant="acme", weight_version=version))
+        assert (pinned.tenant, pinned.weight_version) == ("acme", version)
+    assert convert.proposal_from_proto(convert.proposal_to_proto(proposal, 7)).tokens == [4, 8]
+    assert convert.proposal_to_proto(proposal, 7).weight_version == 7
+    with pytest.raises(InvalidArgument, match="invalid tenant"):
+        convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1], 2, SamplingParams(), tenant="a b"))
     with pytest.raises(InvalidArgument, match="k \\(draft length\\)"):
         convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1], 0, SamplingParams()))
 

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "context_ids", "k", "sampling", "weight_version", "drafter")
+    __slots__ = ("session_id", "context_ids", "k", "sampling", "weight_version", "drafter", "tenant", "exact_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXACT_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     sampling: _common_pb2.SamplingParams
     weight_version: int
     drafter: str
-    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    tenant: str
+    exact_version: bool
+    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., exact_version: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tokens", "q", "forward_s", "weight_version")
