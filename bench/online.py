@@ -300,6 +300,17 @@ def add_forgetting_arguments(parser) -> None:
                         help="only run the forgetting check, on the learned versions an earlier run left in --out")
 
 
+def write_results(out: Path, records: list[dict]) -> tuple[list[dict], str | None]:
+    """results.json and the learning curves (when matplotlib is there) of ``records``."""
+    rows = aggregate(records)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    try:
+        plot_curves(records, out / "learning_curves.png")
+    except ImportError:
+        return rows, None
+    return rows, "learning_curves.png"
+
+
 def rerender(out: Path) -> int:
     """``python -m bench.online --rerender DIR``: results.json, report.md and the plot again from
     DIR/per_prompt.jsonl (and DIR/run.json, DIR/forgetting.json when present). A run stopped early
@@ -313,14 +324,7 @@ def rerender(out: Path) -> int:
     check(len(done) >= 3, f"{raw} holds {len(done)} complete prompts; the report compares thirds (3 or more)")
     header = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     header["prompts completed (rerendered from per_prompt.jsonl)"] = len(done)
-    rows = aggregate(records)
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot = None
-    try:
-        plot_curves(records, out / "learning_curves.png")
-        plot = "learning_curves.png"
-    except ImportError:
-        pass
+    rows, plot = write_results(out, records)
     text = render(rows, header, plot)
     if (out / "forgetting.json").is_file():
         saved = json.loads((out / "forgetting.json").read_text())
@@ -434,12 +438,13 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         print(text)
         return 0 if mismatches == 0 else 1
     run_tag = uuid.uuid4().hex[:8]
-    (out / "run.json").write_text(json.dumps({  # what a --rerender of a stopped run reports
+    run_info = {  # the report's header; run.json keeps it for a --rerender of a stopped run
         "command": command_line(args), "machine": json.dumps(machine_info(args.device)), "target": target,
         "drafter": args.drafter, "k": args.k, "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
         "prompts": len(prompts), "corpus": args.corpus,
         "learner": "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)",
-    }, indent=2) + "\n")
+    }
+    (out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition))
@@ -499,21 +504,10 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
 
     forgetting, forgetting_mismatches = run_forgetting_check(
         engine, args, {s: Path(l.config.store) for s, l in learnings.items() if l is not None})
-    rows = aggregate(records)
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot = None
-    try:
-        plot_curves(records, out / "learning_curves.png")
-        plot = "learning_curves.png"
-    except ImportError:
-        pass
+    rows, plot = write_results(out, records)
     counters = {s: l.learner.counters for s, l in learnings.items() if l is not None}
     header = {
-        "command": command_line(args),
-        "machine": json.dumps(machine_info(args.device)),
-        "target": target, "drafter": args.drafter, "k": args.k, "temperature": 0.0,
-        "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "corpus": args.corpus,
-        "learner": "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)",
+        **run_info,
         "prompts whose outputs differ between systems (must be 0)": mismatches,
         "learner counters": json.dumps(counters),
     }
