@@ -247,8 +247,11 @@ def run_forgetting_check(engine, args: argparse.Namespace, stores: dict[str, Pat
     return rows, mismatches
 
 
+FORGETTING_HEADING = "## Forgetting check"
+
+
 def render_forgetting(rows: list[dict], mismatches: int) -> str:
-    lines = ["", "## Forgetting check (the drafter's own categories, after the stream)", "",
+    lines = ["", f"{FORGETTING_HEADING} (the drafter's own categories, after the stream)", "",
              "| system | version | category | prompts | mean accepted length | vs shipped | within 5 % |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = "-" if r["system"] == "frozen" else ("yes" if r["vs_frozen"] is not None and r["vs_frozen"] >= 0.95 else "NO")
@@ -434,7 +437,11 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         check(bool(forgetting_categories(args)), f"--forgetting-only: no category to check for drafter {args.drafter!r}; "
                                                  "give --forgetting-categories and a --forgetting-per-category above 0")
         rows, mismatches = run_forgetting_check(engine, args, stores)
-        text = write_forgetting(out, rows, mismatches, command_line(args))
+        text = write_forgetting(out, rows, mismatches, command_line(args)) + f"\n(command: `{command_line(args)}`)\n"
+        report = out / "report.md"
+        if report.is_file():  # the run's report gets this check in place of an earlier one
+            kept = report.read_text().split(FORGETTING_HEADING)[0].rstrip("\n") + "\n"
+            report.write_text(kept + text)
         print(text)
         return 0 if mismatches == 0 else 1
     run_tag = uuid.uuid4().hex[:8]

@@ -74,6 +74,9 @@ def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
     assert run_online_bench(parser.parse_args(argv + ["--forgetting-only"]), SimpleNamespace(home=home)) == 0
     again = json.loads((tmp_path / "out" / "forgetting.json").read_text())
     assert again["rows"] == forgetting["rows"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.count("## Forgetting check") == 1 and "--forgetting-only" in report  # replaced, not added
+    assert "| ogd | last_third |" in report  # the run's own rows stay
 
     # --rerender: the same rows from per_prompt.jsonl; a stream stopped inside a prompt is cut to whole prompts.
     out = tmp_path / "out"
