@@ -39,6 +39,7 @@ import shlex
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def run_forgetting_check(engine, args: argparse.Namespace, stores: dict[str, Pat
 FORGETTING_HEADING = "## Forgetting check"
 
 
-def render_forgetting(rows: list[dict], mismatches: int) -> str:
+def render_forgetting(rows: list[dict], mismatches: int, command: str) -> str:
     lines = ["", f"{FORGETTING_HEADING} (the drafter's own categories, after the stream)", "",
              "| system | version | category | prompts | mean accepted length | vs shipped | within 5 % |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -258,12 +259,13 @@ def render_forgetting(rows: list[dict], mismatches: int) -> str:
         lines.append(f"| {r['system']} | {r['version']} | {r['category']} | {r['n_prompts']} | {r['mean_accepted_length']:.3f} | "
                      f"{r['vs_frozen']:.3f} | {ok} |")
     lines.append(f"\nprompts whose outputs differ between versions (must be 0): {mismatches}")
+    lines.append(f"\n(command: `{command}`)")
     return "\n".join(lines) + "\n"
 
 
 def write_forgetting(out: Path, rows: list[dict], mismatches: int, command: str) -> str:
     (out / "forgetting.json").write_text(json.dumps({"command": command, "rows": rows, "mismatches": mismatches}, indent=2) + "\n")
-    return render_forgetting(rows, mismatches)
+    return render_forgetting(rows, mismatches, command)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -321,8 +323,9 @@ def rerender(out: Path) -> int:
     raw = out / "per_prompt.jsonl"
     check(raw.is_file(), f"{raw} does not exist: nothing to rerender")
     records = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
-    systems = list(dict.fromkeys(r["system"] for r in records))
-    done = {i for i in {r["prompt_index"] for r in records} if sum(r["prompt_index"] == i for r in records) == len(systems)}
+    systems = {r["system"] for r in records}
+    per_prompt = Counter(r["prompt_index"] for r in records)
+    done = {i for i, count in per_prompt.items() if count == len(systems)}
     records = [r for r in records if r["prompt_index"] in done and r["prompt_index"] < len(done)]  # whole prompts, in order
     check(len(done) >= 3, f"{raw} holds {len(done)} complete prompts; the report compares thirds (3 or more)")
     header = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
@@ -331,7 +334,7 @@ def rerender(out: Path) -> int:
     text = render(rows, header, plot)
     if (out / "forgetting.json").is_file():
         saved = json.loads((out / "forgetting.json").read_text())
-        text += render_forgetting(saved["rows"], saved["mismatches"]) + f"\n(command: `{saved['command']}`)\n"
+        text += render_forgetting(saved["rows"], saved["mismatches"], saved["command"])
     (out / "report.md").write_text(text)
     print(text)
     return 0
@@ -437,7 +440,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         check(bool(forgetting_categories(args)), f"--forgetting-only: no category to check for drafter {args.drafter!r}; "
                                                  "give --forgetting-categories and a --forgetting-per-category above 0")
         rows, mismatches = run_forgetting_check(engine, args, stores)
-        text = write_forgetting(out, rows, mismatches, command_line(args)) + f"\n(command: `{command_line(args)}`)\n"
+        text = write_forgetting(out, rows, mismatches, command_line(args))
         report = out / "report.md"
         if report.is_file():  # the run's report gets this check in place of an earlier one
             kept = report.read_text().split(FORGETTING_HEADING)[0].rstrip("\n") + "\n"

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 
-from drafters.model_store import ModelStore, VariantKey
+from drafters.model_store import SHARED_SCOPE, ModelStore, VariantKey
 from drafters.online import build_served_model
 from drafters.zoo import ZooDrafter
 from drafters.zoo_model import ZooLM
@@ -98,18 +99,13 @@ class ServedVariants:
 
     def __init__(self, base: ZooDrafter, store: ModelStore, shared: bool = False, refresh_every_s: float = 5.0,
                  keep: int = 4):
-        from collections import OrderedDict
-
-        from drafters.model_store import SHARED_SCOPE
-
         self.base, self.store, self.shared, self.refresh_every_s, self.keep = base, store, shared, refresh_every_s, keep
-        self._shared_scope = SHARED_SCOPE
         self._slots: dict[VariantKey, DrafterSlot] = {}
         self._held: OrderedDict[tuple[VariantKey, int], ZooDrafter] = OrderedDict()
         self._lock = threading.Lock()
 
     def key(self, tenant: str) -> VariantKey:
-        return VariantKey(self._shared_scope if self.shared else tenant, self.base.name)
+        return VariantKey(SHARED_SCOPE if self.shared else tenant, self.base.name)
 
     def pick(self, tenant: str, version: int = 0, exact: bool = False) -> tuple[int, ZooDrafter]:
         """(version, drafter) for a round of ``tenant``'s request; see the class docstring."""

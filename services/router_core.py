@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from drafters.base import Drafter
+from drafters.feedback import FeedbackEmitter
 from router.bandit import BanditChooser
 from router.errors import Cancelled, NotFound, SessionBusy, check
-from drafters.feedback import FeedbackEmitter
 from router.loop import RoundFeedback, RoundRecord, Verifier, speculative_generate
 from router.policies import PolicyOptions, make_policy, parse_arm
 from router.session_store import SessionKey, SessionStore
