@@ -28,6 +28,15 @@ With ``precondition="adagrad"`` every algorithm takes per-coordinate steps (diag
 Duchi, Hazan & Singer 2011): a plain global step lets the output bias, whose gradient dominates
 the norm, absorb nearly all of a clipped step.
 
+With ``grow_vocab`` > 0 the drafter's reduced vocabulary grows online. A shipped drafter can only
+propose the ``reduced_vocab`` tokens that carried most of the target's mass in *its* domain; on a
+new domain (character names, period spellings) some of the target's likely tokens are outside it
+and can never be accepted. The learner sums, per token outside the vocabulary, the target's p in
+the records it trains on; a token whose sum reaches ``grow_min_mass`` joins the vocabulary (up to
+``grow_vocab`` tokens in all). Its output row is the target's own embedding row (the head is the
+frozen embedding matrix), so only its bias is new: it starts at the ``grow_bias_quantile`` of the
+existing biases and is learnt like the rest. A published version carries its ``vocab_ids``.
+
 Pure math (``ogd_step``, ``optimistic_step``, ``hedge_update``, ``sparse_tv``) has no model and
 is unit-tested with tables of cases.
 """
@@ -75,6 +84,10 @@ class OnlineConfig:
     # & Singer 2011; McMahan & Streeter 2010), in every algorithm; "none": one global step size.
     precondition: str = "adagrad"
     adagrad_eps: float = 1e-8
+    # Online vocabulary growth (module docstring): at most this many tokens added; 0 = fixed vocabulary.
+    grow_vocab: int = 0
+    grow_min_mass: float = 1.0  # target p summed over records before an outside token joins
+    grow_bias_quantile: float = 0.5  # a new token's bias starts at this quantile of the others'
 
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -86,6 +99,8 @@ class OnlineConfig:
         lrs = self.hedge_lrs if self.algorithm == "hedge" else (self.lr,)
         if not lrs or any(not math.isfinite(x) or x < 0 for x in lrs):
             raise InvalidArgument(f"learning rates must be finite and >= 0, got {lrs}")
+        if self.grow_vocab < 0 or not self.grow_min_mass > 0 or not 0 <= self.grow_bias_quantile <= 1:
+            raise InvalidArgument("grow_vocab must be >= 0, grow_min_mass > 0 and 0 <= grow_bias_quantile <= 1")
         if self.clip_norm <= 0 or self.hedge_eta < 0 or not 0 <= self.hedge_share < 1 or self.loss_cap <= 0:
             raise InvalidArgument("clip_norm and loss_cap must be > 0, hedge_eta >= 0, 0 <= hedge_share < 1")
 
@@ -167,9 +182,10 @@ class FeedbackBatch:
         return int(self.mask.sum())
 
 
-def vocab_map_for(model: ZooLM) -> torch.Tensor:
-    """(V,) full token id -> reduced-vocabulary index, -1 where the drafter cannot propose it."""
-    vocab_map = torch.full((model.embedding.shape[0],), -1, dtype=torch.long)
+def vocab_map_for(model: nn.Module) -> torch.Tensor:
+    """(V,) full token id -> reduced-vocabulary index, -1 where the drafter (a ZooLM or a
+    ZooEnsembleLM) cannot propose it."""
+    vocab_map = torch.full((model.vocab_size,), -1, dtype=torch.long)
     vocab_map[model.vocab_ids.cpu()] = torch.arange(len(model.vocab_ids))
     return vocab_map
 
@@ -230,11 +246,21 @@ class ZooEnsembleLM(nn.Module):
         return self.members[0].vocab_ids
 
     @property
+    def vocab_size(self) -> int:
+        return self.members[0].vocab_size
+
+    @property
     def device(self) -> torch.device:
         return self.members[0].device
 
     def new_cache(self) -> EnsembleCache:
         return EnsembleCache([m.new_cache() for m in self.members])
+
+    def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """log of the mixture q (N, V_r) at the positions ``where`` marks (as ``ZooLM.logits_at``)."""
+        parts = [F.log_softmax(m.logits_at(input_ids, where).float(), dim=-1) + torch.log(w.clamp_min(1e-30))
+                 for m, w in zip(self.members, self.weights)]
+        return torch.logsumexp(torch.stack(parts), dim=0)
 
     def forward(self, input_ids: torch.Tensor, cache: EnsembleCache | None = None, use_cache: bool = True,
                 logits_to_keep: int = 0) -> ZooOutput:
@@ -259,15 +285,17 @@ def _own_state(model: ZooLM) -> dict[str, torch.Tensor]:
 
 
 def build_served_model(base: ZooLM, tensors: dict[str, torch.Tensor], metadata: dict) -> nn.Module:
-    """The drafter network of a published version: a ZooLM, or a ZooEnsembleLM for several members."""
+    """The drafter network of a published version: a ZooLM, or a ZooEnsembleLM for several members.
+    A version learnt with vocabulary growth carries its own ``vocab_ids``."""
     try:
         count = int(metadata.get("members", 1))
+        vocab_ids = tensors["vocab_ids"].long() if "vocab_ids" in tensors else base.vocab_ids
         members = []
         for i in range(count):
             prefix = f"members.{i}."
             state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
-            state["vocab_ids"] = base.vocab_ids
-            member = ZooLM(base.config, base.embedding, base.vocab_ids)
+            state["vocab_ids"] = vocab_ids
+            member = ZooLM(base.config, base.embedding, vocab_ids)
             member.load_state_dict(state)
             members.append(member.to(base.device).eval())
         if count == 1:
@@ -298,16 +326,21 @@ class Evaluation:
 
 
 @torch.inference_mode()
-def _per_position(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor):
-    """(1 - TV greedy, 1 - TV soft, agreement) per draft position (N,) each, and the loss."""
+def _per_position(model: nn.Module, records: Sequence[FeedbackRecord]):
+    """(1 - TV greedy, 1 - TV soft, agreement) per draft position (N,) each, and the loss; on the
+    model's own vocabulary (two versions may differ in it when the vocabulary grows)."""
+    vocab_map = vocab_map_for(model)
     batch = make_batch(records, vocab_map, bonus=True)
-    log_q = F.log_softmax(model(batch.inputs.to(model.device), use_cache=False).logits.float().cpu(), dim=-1)  # (B, L, V_r)
-    loss = float(distillation_loss(log_q[batch.mask], batch.ids[batch.mask], batch.probs[batch.mask]))
     drafts = make_batch(records, vocab_map, bonus=False)
     # Every draft position counts (also those whose top-K is outside the vocabulary: TV ~ 1 there).
     rows = drafts.probs.sum(-1) > 0  # (B, L)
+    needed = batch.mask | rows  # the head runs at these positions only (a record's last k + 1)
+    at = torch.full(needed.shape, -1, dtype=torch.long)
+    at[needed] = torch.arange(int(needed.sum()))
+    log_q = F.log_softmax(model.logits_at(batch.inputs.to(model.device), needed.to(model.device)).float().cpu(), dim=-1)  # (N', V_r)
+    loss = float(distillation_loss(log_q[at[batch.mask]], batch.ids[batch.mask], batch.probs[batch.mask]))
     ids, probs = drafts.ids[rows], drafts.probs[rows]  # (N, K)
-    q = log_q[rows].exp()  # (N, V_r)
+    q = log_q[at[rows]].exp()  # (N, V_r)
     soft = 1 - sparse_tv(ids, probs, q)
     top = ids.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)  # (N,) target argmax, reduced index or -1
     draft = q.argmax(-1)  # (N,) the greedy draft, reduced index
@@ -315,11 +348,11 @@ def _per_position(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map
     return greedy, soft, (draft == top).float(), loss
 
 
-def evaluate(model: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor) -> Evaluation:
+def evaluate(model: nn.Module, records: Sequence[FeedbackRecord]) -> Evaluation:
     """How well a drafter network matches the target on ``records`` (e.g. held-out feedback)."""
     if not records:
         return Evaluation(float("nan"), float("nan"), float("nan"), float("nan"), 0)
-    greedy, soft, agreement, loss = _per_position(model, records, vocab_map)
+    greedy, soft, agreement, loss = _per_position(model, records)
     return Evaluation(float(greedy.mean()), float(soft.mean()), float(agreement.mean()), loss, len(greedy))
 
 
@@ -337,12 +370,12 @@ class Comparison:
         return self.candidate_bd < self.serving_bd - drop and self.z < -z_min
 
 
-def compare(candidate: nn.Module, serving: nn.Module, records: Sequence[FeedbackRecord], vocab_map: torch.Tensor,
+def compare(candidate: nn.Module, serving: nn.Module, records: Sequence[FeedbackRecord],
             metric: str = "greedy") -> Comparison:
     """Paired BD comparison of two versions of a drafter on held-out records."""
     index = 0 if metric == "greedy" else 1
-    a = _per_position(candidate, records, vocab_map)[index]  # (N,)
-    b = _per_position(serving, records, vocab_map)[index]
+    a = _per_position(candidate, records)[index]  # (N,)
+    b = _per_position(serving, records)[index]
     diff = (a - b).double()
     se = float(diff.std(unbiased=True)) / math.sqrt(len(diff)) if len(diff) > 1 else float("inf")
     z = float(diff.mean()) / se if se > 0 else (0.0 if float(diff.mean()) == 0 else math.copysign(float("inf"), float(diff.mean())))
@@ -374,6 +407,56 @@ class OnlineDrafterLearner:
         self.accumulated: list[list[torch.Tensor] | None] = [None] * len(self.lrs)  # AdaGrad's G
         self.steps = 0
         self.vocab_map = vocab_map_for(base)
+        self.base_vocab = len(base.vocab_ids)
+        self.outside_mass = torch.zeros(base.vocab_size)  # (V,) target p seen on tokens outside the vocabulary
+
+    @property
+    def grown(self) -> int:
+        """Tokens added to the shipped vocabulary so far."""
+        return len(self.members[0].vocab_ids) - self.base_vocab
+
+    def batch(self, records: Sequence[FeedbackRecord]) -> FeedbackBatch:
+        """``records`` as a training batch, after letting them grow the vocabulary."""
+        self.observe(records)
+        return make_batch(records, self.vocab_map)
+
+    def observe(self, records: Sequence[FeedbackRecord]) -> torch.Tensor:
+        """Add the target's p on outside tokens to their sums; the tokens whose sum reaches
+        ``grow_min_mass`` join the vocabulary (the heaviest first, within ``grow_vocab``).
+        Returns the token ids added."""
+        room = self.config.grow_vocab - self.grown
+        if room <= 0 or not records:
+            return torch.empty(0, dtype=torch.long)
+        ids = torch.tensor([i for r in records for row in r.target_ids for i in row], dtype=torch.long)
+        probs = torch.tensor([p for r in records for row in r.target_probs for p in row], dtype=torch.float32)
+        outside = self.vocab_map[ids] < 0
+        self.outside_mass.index_add_(0, ids[outside], probs[outside])
+        ready = (self.outside_mass >= self.config.grow_min_mass).nonzero().flatten()
+        if len(ready) == 0:
+            return ready
+        ready = ready[self.outside_mass[ready].argsort(descending=True)][:room]
+        self.grow(ready)
+        return ready
+
+    def grow(self, token_ids: torch.Tensor) -> None:
+        """Append ``token_ids`` to every member's vocabulary; the optimiser state of the new
+        biases starts at zero (AdaGrad's sums, optimistic hints)."""
+        new = token_ids.long().cpu()
+        if len(new) == 0:
+            return
+        if bool((self.vocab_map[new] >= 0).any()) or len(set(new.tolist())) != len(new):
+            raise InvalidArgument("grow: tokens already in the vocabulary, or repeated")
+        for i, member in enumerate(self.members):
+            names = [n for n, p in member.named_parameters() if p.requires_grad]
+            at = names.index("head_bias")
+            start = torch.quantile(member.head_bias.detach().float().cpu(), self.config.grow_bias_quantile)
+            member.extend_vocab(new, start.expand(len(new)))
+            for states in (self.accumulated, self.previous):
+                if states[i] is not None:
+                    states[i][at] = torch.cat([states[i][at], torch.zeros(len(new), dtype=states[i][at].dtype,
+                                                                          device=states[i][at].device)])
+        self.vocab_map = vocab_map_for(self.members[0])
+        self.outside_mass[new] = 0.0
 
     def _params(self, member: ZooLM) -> list[torch.Tensor]:
         return [p for p in member.parameters() if p.requires_grad]
@@ -429,9 +512,30 @@ class OnlineDrafterLearner:
         tensors = {f"members.{i}.{k}": v.detach().cpu().clone() for i, m in enumerate(self.members)
                    for k, v in _own_state(m).items()}
         tensors["hedge_weights"] = self.weights.clone()
+        tensors["vocab_ids"] = self.members[0].vocab_ids.detach().cpu().clone()
         metadata = {"members": len(self.members), "algorithm": self.config.algorithm, "lrs": list(self.lrs),
-                    "hedge_weights": [round(float(w), 6) for w in self.weights], "steps": self.steps}
+                    "hedge_weights": [round(float(w), 6) for w in self.weights], "steps": self.steps,
+                    "vocab": len(self.members[0].vocab_ids), "vocab_grown": self.grown}
         return tensors, metadata
+
+    def _match_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Grow to ``vocab_ids`` (a saved version's or checkpoint's), which must extend ours."""
+        if vocab_ids is None:
+            return
+        ours = self.members[0].vocab_ids.cpu()
+        vocab_ids = vocab_ids.long().cpu()
+        if len(vocab_ids) < len(ours) or not torch.equal(vocab_ids[: len(ours)], ours):
+            raise InvalidArgument("the saved drafter's vocabulary does not extend this drafter's")
+        self.grow(vocab_ids[len(ours):])
+
+    def load_serving_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take a published version's weights (``serving_tensors``) as the members' own."""
+        self._match_vocab(tensors.get("vocab_ids"))
+        for i, member in enumerate(self.members):
+            prefix = f"members.{i}."
+            own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            member.load_state_dict({**own, "vocab_ids": member.vocab_ids})
+        self.weights = tensors["hedge_weights"].clone()
 
     def state_dict(self) -> dict:
         return {
@@ -441,11 +545,16 @@ class OnlineDrafterLearner:
             "accumulated": [None if a is None else [g.clone() for g in a] for a in self.accumulated],
             "weights": self.weights.clone(),
             "steps": self.steps,
+            "vocab_ids": self.members[0].vocab_ids.detach().cpu().clone(),
+            "outside_mass": self.outside_mass.to_sparse(),  # mostly zeros: (V,) is 49 K floats
         }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["members"]) != len(self.members):
             raise InvalidArgument(f"checkpoint has {len(state['members'])} members, this learner {len(self.members)}")
+        self._match_vocab(state.get("vocab_ids"))
+        if "outside_mass" in state:
+            self.outside_mass = state["outside_mass"].to_dense().clone()
         for member, own in zip(self.members, state["members"]):
             member.load_state_dict({**own, "vocab_ids": member.vocab_ids})
         self.previous = [None if p is None else [g.clone() for g in p] for p in state["previous"]]

@@ -160,6 +160,20 @@ class ZooLM(nn.Module):
     def device(self) -> torch.device:
         return self.embedding.device
 
+    @property
+    def vocab_size(self) -> int:
+        """The full (target) vocabulary's size; ``vocab_ids`` index into it."""
+        return self.embedding.shape[0]
+
+    def extend_vocab(self, token_ids: torch.Tensor, bias: torch.Tensor) -> None:
+        """Append ``token_ids`` (n,) to the reduced vocabulary with output biases ``bias`` (n,).
+        Their head rows are the frozen embedding's; ``head_bias`` becomes a new, longer Parameter."""
+        with torch.no_grad():
+            self.vocab_ids = torch.cat([self.vocab_ids, token_ids.to(self.vocab_ids)])
+            grown = torch.cat([self.head_bias.detach(), bias.to(self.head_bias)])
+        self.head_bias = nn.Parameter(grown, requires_grad=self.head_bias.requires_grad)
+        self._head_weight = None  # gathered again for the new vocabulary
+
     def head_weight(self) -> torch.Tensor:
         # Gathered once: (V_r, d) rows of the frozen embedding matrix.
         if self._head_weight is None or self._head_weight.device != self.embedding.device:
@@ -183,6 +197,11 @@ class ZooLM(nn.Module):
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the reduced vocabulary (..., V_r)."""
         return F.linear(hidden, self.head_weight(), self.head_bias)
+
+    def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits (N, V_r) at the positions ``where`` (B, T) marks, without a
+        cache: the output head (most of a 2-layer drafter's cost) runs at those positions only."""
+        return self.reduced_logits(self.hidden(input_ids)[where])
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, use_cache: bool = True,
                 logits_to_keep: int = 0) -> "ZooOutput":

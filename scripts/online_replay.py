@@ -94,14 +94,15 @@ def simulate(model, item: dict) -> list[tuple[int, int]]:
     return rounds
 
 
-def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch.Tensor) -> SimpleNamespace:
+def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch.Tensor,
+           context_tail: int = CONTEXT_TAIL) -> SimpleNamespace:
     """What make_batch reads of a FeedbackRecord: rows j = 0..len(draft) are p after context + draft[:j]."""
-    return SimpleNamespace(context=tuple(context[-CONTEXT_TAIL:]), draft=tuple(draft),
+    return SimpleNamespace(context=tuple(context[-context_tail:]), draft=tuple(draft),
                            target_ids=tuple(map(tuple, ids.tolist())), target_probs=tuple(map(tuple, probs.tolist())))
 
 
 def run(args: argparse.Namespace) -> None:
-    from drafters.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM, make_batch
+    from drafters.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM
     from drafters.zoo import load_zoo_model
     from services.config import settings_from_env
     from target.models import DEFAULT_TARGET
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(__file__).resolve().parents[1] / "drafters" / "zoo" / args.drafter
     base, _ = load_zoo_model(folder, settings_from_env().home, args.target or DEFAULT_TARGET)
     learner = None if args.frozen else OnlineDrafterLearner(base, OnlineConfig(**json.loads(args.config)))
-    started, counted, per_prompt = time.time(), 0, []
+    started, counted, per_prompt, learn_s = time.time(), 0, [], 0.0
     for item in stream:
         if learner is None:
             model = base
@@ -130,15 +131,17 @@ def run(args: argparse.Namespace) -> None:
             counted += 1
             if width > 0 and counted % HOLDOUT_EVERY:
                 records.append(record(full[: len(item["prompt"]) + t], item["output"][t:t + width],
-                                      item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]))
+                                      item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1], args.context_tail))
         if args.prefill:  # the target's p on the prompt itself, in chunks of 32 positions
             prompt = item["prompt"]
             for s in range(1, len(prompt) - 1, 32):
                 e = min(s + 32, len(prompt) - 1)
                 records.append(record(prompt[:s], prompt[s:e], item["prompt_top_ids"][s - 1:e], item["prompt_top_p"][s - 1:e]))
+        learn_started = time.perf_counter()
         for _ in range(args.epochs):
             for s in range(0, len(records), args.batch_records):
-                learner.step(make_batch(records[s:s + args.batch_records], learner.vocab_map))
+                learner.step(learner.batch(records[s:s + args.batch_records]))
+        learn_s += time.perf_counter() - learn_started
     third = len(per_prompt) // 3
 
     def mean_accepted_length(rows):
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> None:
                       "prefill": args.prefill, "epochs": args.epochs,
                       "first_third": mean_accepted_length(per_prompt[:third]),
                       "last_third": mean_accepted_length(per_prompt[-third:]),
-                      "all": mean_accepted_length(per_prompt), "seconds": round(time.time() - started)}))
+                      "all": mean_accepted_length(per_prompt), "seconds": round(time.time() - started),
+                      "learn_s_per_prompt": round(learn_s / len(per_prompt), 3), "context_tail": args.context_tail}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--prefill", action="store_true", help="also learn from the target's p on the prompt tokens")
     r.add_argument("--epochs", type=int, default=1, help="passes over each prompt's records")
     r.add_argument("--batch-records", type=int, default=4)
+    r.add_argument("--context-tail", type=int, default=CONTEXT_TAIL, help="context tokens a record keeps")
     r.add_argument("--target", default=None)
     args = parser.parse_args(argv)
     build(args) if args.command == "build" else run(args)

@@ -52,7 +52,7 @@ from drafters.feedback import (
 )
 from drafters.hot_swap import DrafterSlot, learnable
 from drafters.model_store import SHARED_SCOPE, ModelStore, VariantKey, open_model_store
-from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, compare, make_batch
+from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, compare
 from drafters.zoo_model import ZooLM
 from router.errors import InvalidArgument, ModelUnavailable, StoreUnavailable
 from router.loop import RoundFeedback
@@ -136,6 +136,7 @@ class _Variant:
     uncommitted_ids: set = field(default_factory=set)  # the same, for lookups
     first_uncommitted: float = 0.0
     steps_since_commit: int = 0
+    serving_model: tuple[int, object] | None = None  # (version, network) last built, saves a load per commit
 
 
 class Learner:
@@ -318,7 +319,7 @@ class Learner:
 
     def _train(self, variant: _Variant) -> None:
         records, variant.batch = variant.batch, []
-        report = variant.learner.step(make_batch(records, variant.learner.vocab_map))
+        report = variant.learner.step(variant.learner.batch(records))
         if report is not None:
             self.counters["steps"] += 1
             variant.steps_since_commit += 1
@@ -369,9 +370,10 @@ class Learner:
             holdout = list(variant.holdout)
             candidate_bd = serving_bd = z = None
             regressed = False
+            candidate = None
             if len(holdout) >= self.config.min_holdout:
-                comparison = compare(build_served_model(variant.base, tensors, metadata), self._serving_model(variant),
-                                     holdout, variant.learner.vocab_map, self.config.rollback_metric)
+                candidate = build_served_model(variant.base, tensors, metadata)
+                comparison = compare(candidate, self._serving_model(variant), holdout, self.config.rollback_metric)
                 candidate_bd, serving_bd, z = comparison.candidate_bd, comparison.serving_bd, comparison.z
                 regressed = comparison.regressed(self.config.rollback_bd_drop, self.config.rollback_z)
             metadata.update(parent=variant.serving_version, heldout_bd=candidate_bd, parent_heldout_bd=serving_bd,
@@ -391,6 +393,7 @@ class Learner:
             else:
                 self.store.promote(key, version)
                 variant.serving_version = version
+                variant.serving_model = None if candidate is None else (version, candidate)
                 self.counters["promoted"] += 1
                 row["decision"] = "promoted"
                 if self.on_promote is not None:
@@ -411,19 +414,21 @@ class Learner:
     def _serving_model(self, variant: _Variant):
         if variant.serving_version == 0:
             return variant.base
+        if variant.serving_model is not None and variant.serving_model[0] == variant.serving_version:
+            return variant.serving_model[1]  # the candidate this learner built and promoted
         tensors, metadata = self.store.load(variant.key, variant.serving_version)
-        return build_served_model(variant.base, tensors, metadata)
+        model = build_served_model(variant.base, tensors, metadata)
+        variant.serving_model = (variant.serving_version, model)
+        return model
 
     def _restore_serving(self, variant: _Variant) -> None:
         """Back to the serving version's weights, with a fresh algorithm state (no stale hints)."""
         fresh = OnlineDrafterLearner(variant.base, self.config.online)
         if variant.serving_version:
             tensors, metadata = self.store.load(variant.key, variant.serving_version)
-            for i, member in enumerate(fresh.members):
-                prefix = f"members.{i}."
-                own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                member.load_state_dict({**own, "vocab_ids": member.vocab_ids})
-            fresh.weights = tensors["hedge_weights"].clone()
+            fresh.load_serving_tensors(tensors)
+        # What the rolled-back candidate added to its vocabulary must be seen again to come back.
+        fresh.outside_mass = variant.learner.outside_mass.clone()
         fresh.steps = variant.learner.steps
         variant.learner = fresh
 

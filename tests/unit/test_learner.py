@@ -15,7 +15,7 @@ import torch
 
 from drafters.feedback import Delivery, FeedbackRecord, InProcessFeedbackStream
 from drafters.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey
-from drafters.online import OnlineConfig
+from drafters.online import OnlineConfig, OnlineDrafterLearner
 from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
 from services import learner as learner_module
 from services.engine import EmbeddedEngine, EngineConfig
@@ -64,6 +64,10 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 KEY = VariantKey("t1", DRAFTER)
 
 
+def variant_vocab(learner: Learner) -> torch.Tensor:
+    return learner.variants[KEY].learner.members[0].vocab_ids
+
+
 # --- consume, acknowledge, publish ----------------------------------------------------------------
 
 
@@ -103,11 +107,12 @@ class CrashOn:
         return self.inner(*args, **kwargs)
 
 
-@pytest.mark.parametrize("algorithm", ["optimistic", "hedge"])
+@pytest.mark.parametrize("algorithm", ["optimistic", "hedge", "optimistic+grow"])
 @pytest.mark.parametrize("where", ["before_checkpoint", "before_ack"])
 def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, records, where, algorithm):
     online = (OnlineConfig(algorithm="optimistic", lr=0.05) if algorithm == "optimistic"
-              else OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.08)))
+              else OnlineConfig(algorithm="optimistic", lr=0.003, grow_vocab=16, grow_min_mass=0.3)
+              if algorithm == "optimistic+grow" else OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.08)))
     settings = dict(publish_every=5, read_count=4, online=online)
     stream_records = records[:20]
 
@@ -143,7 +148,10 @@ def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, record
         assert_same_state(a, b)
     torch.testing.assert_close(want["weights"], got["weights"], rtol=0, atol=0)
     assert want["steps"] == got["steps"] == 20
-    if algorithm == "optimistic":
+    assert torch.equal(want["vocab_ids"], got["vocab_ids"])  # the same tokens grown, in the same order
+    if algorithm == "optimistic+grow":
+        assert len(got["vocab_ids"]) > len(zoo_base.vocab_ids)
+    if algorithm.startswith("optimistic"):
         for a, b in zip(want["previous"][0], got["previous"][0]):
             assert torch.equal(a, b)
 
@@ -151,11 +159,13 @@ def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, record
 # --- rollback -----------------------------------------------------------------------------------
 
 
-def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatch, caplog):
+@pytest.mark.parametrize("grow_vocab", [0, 16])
+def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatch, caplog, grow_vocab):
     stream = InProcessFeedbackStream(capacity=1000)
     # The tiny drafter's greedy BD is ~0.02 whatever its weights: the soft BD is the signal here.
+    online = OnlineConfig(algorithm="optimistic", lr=0.05, grow_vocab=grow_vocab, grow_min_mass=0.3)
     learner = make_learner(tmp_path, stream, zoo_base, publish_every=12, holdout_every=3, min_holdout=3,
-                           rollback_bd_drop=0.02, rollback_metric="soft")
+                           rollback_bd_drop=0.02, rollback_metric="soft", online=online)
     held = [r for r in records if is_held_out(r.record_id, 3)]
     assert len(held) >= 6  # the test needs held-out records in both halves
     for record in records[:24]:
@@ -192,6 +202,9 @@ def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatc
     state = member_state(learner, KEY)
     for name, value in state.items():
         assert torch.equal(value, good_tensors[f"members.0.{name}"]), name
+    assert torch.equal(variant_vocab(learner), good_tensors["vocab_ids"])  # its vocabulary too
+    if grow_vocab:
+        assert len(good_tensors["vocab_ids"]) > len(zoo_base.vocab_ids)
     assert stream.pending() == 0  # rolled-back records are acknowledged: their effect was decided once
 
 
@@ -276,7 +289,7 @@ def test_bad_records_are_rejected_and_counted_never_crash(tmp_path, zoo_base, re
     learner.process(Delivery("99-0", records[8].encode(), deliveries=6))
     assert learner.counters["dead_lettered"] == 1
     # An unexpected failure while applying one record is counted; the learner goes on.
-    real = learner_module.make_batch
+    real = OnlineDrafterLearner.batch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -285,7 +298,7 @@ def test_bad_records_are_rejected_and_counted_never_crash(tmp_path, zoo_base, re
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "make_batch", flaky)
+    monkeypatch.setattr(OnlineDrafterLearner, "batch", flaky)
     for record in records[9:12]:
         stream.emit(record.encode())
     learner.drain()

@@ -123,7 +123,8 @@ def test_online_config_validation():
     OnlineConfig().validate()
     for bad in (OnlineConfig(algorithm="adam"), OnlineConfig(lr=-1.0), OnlineConfig(hedge_member="hedge"),
                 OnlineConfig(algorithm="hedge", hedge_lrs=()), OnlineConfig(clip_norm=0.0),
-                OnlineConfig(hedge_share=1.0), OnlineConfig(lr=float("nan"))):
+                OnlineConfig(hedge_share=1.0), OnlineConfig(lr=float("nan")), OnlineConfig(grow_vocab=-1),
+                OnlineConfig(grow_min_mass=0.0), OnlineConfig(grow_bias_quantile=1.5)):
         with pytest.raises(InvalidArgument):
             bad.validate()
 
@@ -365,7 +366,7 @@ def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
     learner = OnlineDrafterLearner(zoo_base, ALGORITHM_CASES[name])
     everything = make_batch(stream_records, learner.vocab_map)
     before = learner.loss(everything)
-    served_before = evaluate(zoo_base, stream_records, learner.vocab_map)
+    served_before = evaluate(zoo_base, stream_records)
     for _ in range(3):  # the same stream, three times
         for record in stream_records:
             learner.step(make_batch([record], learner.vocab_map))
@@ -373,12 +374,12 @@ def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
     assert after < before - 0.3, (before, after)
     tensors, metadata = learner.serving_tensors()
     served = build_served_model(zoo_base, tensors, metadata)
-    served_after = evaluate(served, stream_records, learner.vocab_map)
+    served_after = evaluate(served, stream_records)
     assert served_after.loss == pytest.approx(after, rel=1e-4)  # what is served is what was trained
     assert served_after.bd_soft > served_before.bd_soft + 0.03
     assert served_after.agreement > served_before.agreement
     # The base network is untouched: learning trains copies.
-    assert evaluate(zoo_base, stream_records, learner.vocab_map).loss == pytest.approx(served_before.loss)
+    assert evaluate(zoo_base, stream_records).loss == pytest.approx(served_before.loss)
 
 
 def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_records):
@@ -480,12 +481,116 @@ def test_compare_versions(zoo_base, stream_records):
     from drafters.online import compare
 
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
-    same = compare(zoo_base, zoo_base, stream_records, learner.vocab_map, "soft")
+    same = compare(zoo_base, zoo_base, stream_records, "soft")
     assert same.candidate_bd == same.serving_bd and same.z == 0.0 and not same.regressed(0.0, 0.0)
     for record in stream_records:
         learner.step(make_batch([record], learner.vocab_map))
     tensors, metadata = learner.serving_tensors()
-    better = compare(build_served_model(zoo_base, tensors, metadata), zoo_base, stream_records, learner.vocab_map, "soft")
+    better = compare(build_served_model(zoo_base, tensors, metadata), zoo_base, stream_records, "soft")
     assert better.candidate_bd > better.serving_bd and better.z > 2
-    greedy = compare(zoo_base, zoo_base, stream_records, learner.vocab_map, "greedy")
+    greedy = compare(zoo_base, zoo_base, stream_records, "greedy")
     assert 0.0 <= greedy.serving_bd <= 1.0 and greedy.positions == sum(len(r.draft) for r in stream_records)
+
+
+# --- online vocabulary growth -------------------------------------------------------------------
+
+
+def _outside_mass(records, vocab_map) -> dict[int, float]:
+    """The target's p per token outside the vocabulary, summed over ``records`` (by hand)."""
+    mass: dict[int, float] = {}
+    for r in records:
+        for ids, probs in zip(r.target_ids, r.target_probs):
+            for i, p in zip(ids, probs):
+                if vocab_map[i] < 0:
+                    mass[i] = mass.get(i, 0.0) + p
+    return mass
+
+
+def test_vocabulary_grows_by_the_targets_mass_outside_it(zoo_base, stream_records):
+    config = OnlineConfig(lr=0.003, grow_vocab=3, grow_min_mass=0.2)
+    learner = OnlineDrafterLearner(zoo_base, config)
+    shipped = learner.vocab_map.clone()
+    first = stream_records[:4]
+    mass = _outside_mass(first, shipped)
+    expected = sorted((i for i, m in mass.items() if m >= 0.2), key=lambda i: -mass[i])[:3]
+    assert expected, "the tiny target must put some mass outside the 48-token vocabulary"
+    added = learner.observe(first)
+    assert sorted(added.tolist()) == sorted(expected)
+    assert learner.grown == len(expected)
+    vocab = learner.members[0].vocab_ids.tolist()
+    assert vocab[:48] == zoo_base.vocab_ids.tolist() and vocab[48:] == added.tolist()
+    assert all(int(learner.vocab_map[i]) == vocab.index(i) for i in added.tolist())
+    # The head rows of new tokens are the frozen embedding's; only the bias is new.
+    member = learner.members[0]
+    torch.testing.assert_close(member.head_weight()[48:], zoo_base.embedding[added])
+    assert member.head_bias.shape == (48 + len(expected),) and member.head_bias.requires_grad
+    # The budget holds, whatever later records bring; the shipped network is untouched.
+    for record in stream_records:
+        learner.step(learner.batch([record]))
+    assert learner.grown <= 3 and len(zoo_base.vocab_ids) == 48 and zoo_base.head_bias.shape == (48,)
+
+
+def test_fixed_vocabulary_never_grows(zoo_base, stream_records):
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.003, grow_vocab=0))
+    for record in stream_records:
+        learner.step(learner.batch([record]))
+    assert learner.grown == 0 and torch.equal(learner.members[0].vocab_ids, zoo_base.vocab_ids)
+
+
+@pytest.mark.parametrize("algorithm", ["optimistic", "hedge"])
+def test_grown_vocabulary_learns_serves_and_stays_lossless(algorithm, zoo_base, stream_records, verifier, prompts,
+                                                           greedy_reference, target_lm):
+    config = OnlineConfig(algorithm=algorithm, lr=0.003, hedge_lrs=(0.001, 0.003), grow_vocab=16, grow_min_mass=0.3)
+    learner = OnlineDrafterLearner(zoo_base, config)
+    everything_before = evaluate(zoo_base, stream_records)
+    for _ in range(2):
+        for record in stream_records:
+            learner.step(learner.batch([record]))  # AdaGrad sums and hints grow with the vocabulary
+    assert learner.grown > 0
+    tensors, metadata = learner.serving_tensors()
+    assert metadata["vocab_grown"] == learner.grown and len(tensors["vocab_ids"]) == 48 + learner.grown
+    served = build_served_model(zoo_base, tensors, metadata)
+    assert torch.equal(served.vocab_ids, learner.members[0].vocab_ids)
+    # Versions with different vocabularies compare on the same positions.
+    from drafters.online import compare
+
+    comparison = compare(served, zoo_base, stream_records, "soft")
+    assert comparison.positions == everything_before.positions
+    assert comparison.candidate_bd > comparison.serving_bd
+    drafter = ZooDrafter("grown", served, {"target_tokenizer_fingerprint": "x"})
+    assert drafter.output_ids.tolist()[48:] == learner.members[0].vocab_ids.tolist()[48:]  # it can propose them
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    for n, prompt in enumerate(prompts[:3]):
+        result = speculative_generate(prompt, session_id=f"grown{n}", drafters={"grown": drafter},
+                                      chooser=FixedChooser("grown"), verifier=verifier, params=params, k=4)
+        assert result.token_ids == greedy_reference(target_lm[0], prompt, 16)
+        drafter.release(f"grown{n}")
+
+
+def test_grown_vocabulary_travels_with_checkpoints_and_versions(zoo_base, stream_records):
+    config = OnlineConfig(algorithm="optimistic", lr=0.003, grow_vocab=16, grow_min_mass=0.3)
+    learner = OnlineDrafterLearner(zoo_base, config)
+    for record in stream_records[:12]:
+        learner.step(learner.batch([record]))
+    assert learner.grown > 0
+    restored = OnlineDrafterLearner(zoo_base, config)
+    restored.load_state_dict(learner.state_dict())
+    assert torch.equal(restored.vocab_map, learner.vocab_map)
+    assert torch.equal(restored.outside_mass, learner.outside_mass)
+    # The next records have exactly the same effect on both (weights, AdaGrad sums, hints, growth).
+    for record in stream_records[12:]:
+        learner.step(learner.batch([record]))
+        restored.step(restored.batch([record]))
+    for a, b in zip(learner.members[0].parameters(), restored.members[0].parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(restored.members[0].vocab_ids, learner.members[0].vocab_ids)
+    # A published version's weights load into a fresh learner (what a rollback returns to).
+    tensors, _ = learner.serving_tensors()
+    fresh = OnlineDrafterLearner(zoo_base, config)
+    fresh.load_serving_tensors(tensors)
+    assert torch.equal(fresh.members[0].vocab_ids, learner.members[0].vocab_ids)
+    assert torch.equal(fresh.members[0].head_bias, learner.members[0].head_bias)
+    # A vocabulary that does not extend the drafter's is refused.
+    bad = dict(tensors, vocab_ids=tensors["vocab_ids"].flip(0))
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        OnlineDrafterLearner(zoo_base, config).load_serving_tensors(bad)
