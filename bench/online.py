@@ -17,7 +17,12 @@ By default the learner runs *between* requests (``commit_now`` after each prompt
 feedback is applied and a version promoted, so the next prompt drafts with it) and its CPU time
 is reported separately (``learner_s``): tokens/s is serving time only, as with a learner in a
 separate process on other cores. ``--concurrent`` lets the learner threads train while requests
-run instead (all on the same cores).
+run instead (all on the same cores). ``--learner-process REDIS_URL`` measures *net* tokens/s: each
+learning system sends its feedback to its own Redis stream, read by its own ``specpool learner``
+process on the same machine (``--learner-nice``, ``--learner-threads``), which runs only while
+its system serves (the others' learners are paused with SIGSTOP, and frozen runs with none), so
+each system's tokens/s includes what its learner takes from serving; drafters pick up promoted
+versions between requests. The learner's CPU seconds are reported as ``learner_cpu_s``.
 
 Writes results.json (rows: system, segment = first_third | last_third | all, mean_accepted_length,
 tokens_per_s, n_prompts), per_prompt.jsonl, report.md and learning_curves.png.
@@ -112,6 +117,8 @@ def aggregate(records: list[dict]) -> list[dict]:
                 "tokens_per_s": tokens / max(sum(r["wall_s"] for r in group), 1e-9),
                 "n_prompts": len(group),
                 "learner_s": round(sum(r.get("learner_s", 0.0) for r in group), 3),
+                **({"learner_cpu_s": round(sum(r["learner_cpu_s"] for r in group), 3)}
+                   if any("learner_cpu_s" in r for r in group) else {}),
             })
     return rows
 
@@ -120,13 +127,17 @@ def render(rows: list[dict], header: dict, plot: str | None) -> str:
     frozen = {r["segment"]: r for r in rows if r["system"] == "frozen"}
     lines = ["# Online learning benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| system | segment | prompts | mean accepted length | vs frozen | tokens/s | vs frozen | learner s |",
+    # A learner process runs inside the requests' wall time: its CPU seconds are shown, not added.
+    cpu = any("learner_cpu_s" in r for r in rows)
+    learner_column = "learner CPU s (inside tokens/s)" if cpu else "learner s"
+    lines += ["", f"| system | segment | prompts | mean accepted length | vs frozen | tokens/s | vs frozen | {learner_column} |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = frozen.get(r["segment"])
         gain = lambda key: f"{r[key] / base[key] - 1:+.1%}" if base and base[key] else "-"  # noqa: E731
+        learner = r.get("learner_cpu_s", 0.0) if cpu else r["learner_s"]
         lines.append(f"| {r['system']} | {r['segment']} | {r['n_prompts']} | {r['mean_accepted_length']:.3f} | "
-                     f"{gain('mean_accepted_length')} | {r['tokens_per_s']:.2f} | {gain('tokens_per_s')} | {r['learner_s']:.1f} |")
+                     f"{gain('mean_accepted_length')} | {r['tokens_per_s']:.2f} | {gain('tokens_per_s')} | {learner:.1f} |")
     if plot:
         lines += ["", f"![learning curves]({plot})"]
     return "\n".join(lines) + "\n"
@@ -286,12 +297,25 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the Hedge members' step sizes (default {','.join(map(str, online.hedge_lrs))})")
     parser.add_argument("--precondition", choices=("none", "adagrad"), default=online.precondition,
                         help=f"adagrad: per-coordinate steps; none: one global step (default {online.precondition})")
+    parser.add_argument("--grow-vocab", type=int, default=online.grow_vocab,
+                        help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
     parser.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between)")
+    add_process_arguments(parser)
     parser.add_argument("--out", default="bench/results/online", help="output folder")
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
     parser.add_argument("--device", default="cpu")
     add_forgetting_arguments(parser)
+
+
+def add_process_arguments(parser) -> None:
+    parser.add_argument("--learner-process", default=None, metavar="REDIS_URL",
+                        help="each learning system's learner runs as its own `specpool learner` process fed through "
+                             "Redis at this URL, during its system's requests only: tokens/s is then net of learning")
+    parser.add_argument("--learner-nice", type=int, default=10, help="with --learner-process: the learners' nice value (default 10)")
+    parser.add_argument("--learner-threads", type=int, default=1, help="with --learner-process: torch threads per learner (default 1)")
+    parser.add_argument("--publish-every", type=int, default=32,
+                        help="with --learner-process: records between published versions (default 32)")
 
 
 def add_forgetting_arguments(parser) -> None:
@@ -348,8 +372,11 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join([
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
-        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition, "--out", args.out,
-        "--device", args.device, *(["--concurrent"] if args.concurrent else []), *(["--target", args.target] if args.target else []),
+        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition,
+        "--grow-vocab", str(args.grow_vocab), "--out", args.out,
+        "--device", args.device, *(["--concurrent"] if args.concurrent else []),
+        *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
+           str(args.learner_threads), "--publish-every", str(args.publish_every)] if args.learner_process else []), *(["--target", args.target] if args.target else []),
         "--forgetting-prompts", args.forgetting_prompts, "--forgetting-per-category", str(args.forgetting_per_category),
         *(["--forgetting-categories", args.forgetting_categories] if args.forgetting_categories else []),
         *(["--forgetting-only"] if args.forgetting_only else []),
@@ -383,9 +410,12 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hedge-lrs", default=d["hedge_lrs"], help=f"the Hedge members' step sizes (default {d['hedge_lrs']})")
     group.add_argument("--precondition", choices=("none", "adagrad"), default=d["precondition"],
                        help=f"adagrad: per-coordinate steps; none: one global step (default {d['precondition']})")
+    group.add_argument("--grow-vocab", type=int, default=d["grow_vocab"],
+                       help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
     group.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between requests)")
+    add_process_arguments(group)
     add_forgetting_arguments(group)
 
 
@@ -401,11 +431,116 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         corpus=args.prompts, limit=args.limit, drafter=drafters[0], systems=args.systems, k=args.k,
         max_new_tokens=ONLINE_DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
+        grow_vocab=args.grow_vocab,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
+        learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
+        publish_every=args.publish_every,
         target=args.target, device=args.device, dtype=args.dtype, via_specpool=True,
         forgetting_prompts=args.forgetting_prompts, forgetting_per_category=args.forgetting_per_category,
         forgetting_categories=args.forgetting_categories, forgetting_only=args.forgetting_only,
     )
+
+
+def _delete_streams(url: str, streams: list[str]) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.delete(*streams)
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
+
+
+class LearnerProcess:
+    """One learning system's ``specpool learner`` process (``--learner-process``), on this
+    machine: niced, with few torch threads, and paused (SIGSTOP) except while its system serves."""
+
+    def __init__(self, system: str, args: argparse.Namespace, stream: str, store: str, target: str, log_path: Path,
+                 home: Path):
+        import os
+        import subprocess
+
+        command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
+                   "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
+                   "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
+                   "--grow-vocab", str(args.grow_vocab), "--batch-records", str(args.batch_records),
+                   "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
+                   "--target", target, "--device", args.device]
+        threads = str(args.learner_threads)
+        root = str(Path(__file__).resolve().parents[1])  # this checkout's services/, installed or not
+        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, SPECPOOL_HOME=str(home),
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        nice = args.learner_nice
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        self.paused = False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the learner says it reads its stream (imports done); a learner that exits is an error."""
+        deadline = time.monotonic() + timeout_s
+        while "reading" not in self.log_path.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise InvalidArgument(f"the learner process did not start; its log {self.log_path}:\n"
+                                      f"{self.log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def pause(self) -> None:
+        import os
+        import signal
+
+        if not self.paused and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGSTOP)
+            self.paused = True
+            deadline = time.monotonic() + 2.0  # the signal lands asynchronously: wait until it has
+            while self.state() not in ("T", "t", "Z", "") and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def resume(self) -> None:
+        import os
+        import signal
+
+        if self.paused and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.paused = False
+
+    def _stat(self) -> list[str]:
+        """/proc/PID/stat after the command name; [] once the process is gone."""
+        try:
+            return Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError):
+            return []
+
+    def state(self) -> str:
+        """The process state letter (T: stopped), "" once gone."""
+        fields = self._stat()
+        return fields[0] if fields else ""
+
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used (all its threads), from /proc."""
+        import os
+
+        fields = self._stat()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0  # utime + stime
+
+    def stop(self, timeout_s: float = 600.0) -> str:
+        """SIGTERM (the learner commits what it applied, then exits); returns its last log line."""
+        import subprocess
+
+        self.resume()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        lines = self.log_path.read_text().strip().splitlines()
+        return lines[-1] if lines else ""
 
 
 def run_online_bench(args: argparse.Namespace, settings) -> int:
@@ -420,6 +555,9 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
 
     validate_draft_length(args.k)
     check(args.limit >= 3, f"--limit must be >= 3 (the report compares thirds), got {args.limit}")
+    process_mode = getattr(args, "learner_process", None) is not None
+    check(not (process_mode and args.concurrent), "give --concurrent or --learner-process, not both")
+    check(args.publish_every >= 1 and args.learner_threads >= 1, "--publish-every and --learner-threads must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")
     hedge_lrs = parse_step_sizes(args.hedge_lrs)
@@ -452,31 +590,56 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         "command": command_line(args), "machine": json.dumps(machine_info(args.device)), "target": target,
         "drafter": args.drafter, "k": args.k, "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
         "prompts": len(prompts), "corpus": args.corpus,
-        "learner": "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)",
+        "learner": ("separate processes, each running only while its system serves (tokens/s is net of learning; "
+                    f"nice {args.learner_nice}, {args.learner_threads} torch thread(s), a version every "
+                    f"{args.publish_every} records)" if process_mode else
+                    "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)"),
     }
     (out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
-                          online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition))
+                          online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition,
+                                              grow_vocab=args.grow_vocab))
     learnings: dict[str, EmbeddedLearning | None] = {}
+    processes: dict[str, LearnerProcess] = {}
     for system in systems:
         if system == "frozen":
             learnings[system] = None
-        else:
-            config = replace(base, store=str(out / "stores" / f"{system}-{run_tag}"),
-                             online=replace(base.online, algorithm=system))
-            learnings[system] = EmbeddedLearning(config, settings.home, continuous=args.concurrent)
+            continue
+        config = replace(base, store=str(out / "stores" / f"{system}-{run_tag}"),
+                         online=replace(base.online, algorithm=system))
+        if process_mode:  # feedback to Redis; the system's own learner process trains and publishes
+            config = replace(config, feedback_url=args.learner_process, feedback_stream=f"specpool:bench:{run_tag}:{system}")
+            processes[system] = LearnerProcess(system, args, config.feedback_stream, config.store, target,
+                                               out / f"learner-{system}.log", settings.home)
+        learnings[system] = EmbeddedLearning(config, settings.home, continuous=args.concurrent)
+    try:
+        for process in processes.values():
+            process.wait_ready()
+            process.pause()
+    except BaseException:
+        for process in processes.values():
+            process.stop(timeout_s=30)
+        raise
     stop_ids = engine.stop_token_ids()
     encoded = [engine.encode_prompt(p) for p in prompts]
 
     def run(system: str, ids: list[int], n: int, index: int) -> dict:
         engine.learning = learnings[system]
         params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
+        process = processes.get(system)
+        if process is not None:  # its learner runs beside this request, and only then
+            cpu = process.cpu_s()
+            process.resume()
         started = time.perf_counter()
         result = engine.generate(ids, params, args.drafter, k=args.k, session_id=f"{run_tag}-{system}-{index}", tenant="bench")
         wall = time.perf_counter() - started
         learner_s = 0.0
-        if learnings[system] is not None:
+        extra = {}
+        if process is not None:
+            process.pause()
+            extra["learner_cpu_s"] = round(process.cpu_s() - cpu, 3)
+        elif learnings[system] is not None:
             busy = learnings[system].learner.busy_s
             if not args.concurrent:
                 learnings[system].commit_now(timeout=600)
@@ -486,7 +649,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
                 "wall_s": wall, "learner_s": learner_s, "version": slot.version if slot else 0,
                 "mean_accepted_length": result.mean_accepted_length, "tokens_per_s": len(result.token_ids) / wall,
                 "accepted": sum(r.accepted for r in result.rounds), "proposed": sum(r.proposed for r in result.rounds),
-                "token_ids": result.token_ids}
+                **extra, "token_ids": result.token_ids}
 
     warmup = engine.encode_prompt(WARMUP_PROMPT)
     for system in systems:
@@ -508,14 +671,18 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
                 raw.flush()  # a stopped run can still be reported (--rerender)
     finally:
         engine.learning = None
+        learner_summaries = {s: p.stop() for s, p in processes.items()}
         for learning in learnings.values():
             if learning is not None:
                 learning.close()
+        if processes:
+            _delete_streams(args.learner_process, [learnings[s].config.feedback_stream for s in processes])
 
     forgetting, forgetting_mismatches = run_forgetting_check(
         engine, args, {s: Path(l.config.store) for s, l in learnings.items() if l is not None})
     rows, plot = write_results(out, records)
-    counters = {s: l.learner.counters for s, l in learnings.items() if l is not None}
+    counters = {s: l.learner.counters for s, l in learnings.items() if l is not None and l.learner is not None}
+    counters.update(learner_summaries)
     header = {
         **run_info,
         "prompts whose outputs differ between systems (must be 0)": mismatches,

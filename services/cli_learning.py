@@ -51,6 +51,8 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
     group.add_argument(*names("--learn-precondition", "--precondition"), dest="learn_precondition", default=None,
                        choices=("adagrad", "none"),
                        help=f"adagrad: per-coordinate step sizes; none: one global step (default {online.precondition})")
+    group.add_argument(*names("--learn-grow-vocab", "--grow-vocab"), dest="learn_grow_vocab", type=int, default=None, metavar="N",
+                       help=f"tokens a drafter variant may add to its vocabulary from the target's feedback (default {online.grow_vocab})")
     group.add_argument(*names("--learn-store", "--store", "--model-store"), dest="learn_store", default=None, metavar="PATH",
                        help="model store: a folder or file:// URI (default $SPECPOOL_HOME/online)")
     group.add_argument(*names("--learn-shared", "--shared"), dest="learn_shared", action="store_true",
@@ -61,6 +63,8 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
                        help="feedback records one tenant may train on (0: no limit)")
     group.add_argument(*names("--learn-budget-tokens", "--budget-tokens"), dest="learn_budget_tokens", type=int, default=0, metavar="N",
                        help="draft positions one tenant may train on (0: no limit)")
+    group.add_argument(*names("--learn-batch-records", "--batch-records"), dest="learn_batch_records", type=int, default=1, metavar="N",
+                       help="feedback records per gradient step (default 1)")
     group.add_argument(*names("--learn-publish-every", "--publish-every"), dest="learn_publish_every", type=int, default=32, metavar="N",
                        help="records of a variant between published versions (default 32)")
     if flag:
@@ -88,16 +92,19 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online = replace(online, hedge_lrs=parse_step_sizes(args.learn_hedge_lrs))
     if getattr(args, "learn_precondition", None) is not None:
         online = replace(online, precondition=args.learn_precondition)
+    if getattr(args, "learn_grow_vocab", None) is not None:
+        online = replace(online, grow_vocab=args.learn_grow_vocab)
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")
+    check(args.learn_batch_records >= 1, f"--learn-batch-records must be >= 1, got {args.learn_batch_records}")
     if getattr(args, "learn_feedback", None) is not None:
         settings = {"feedback_url": args.learn_feedback, "feedback_stream": args.learn_stream, **settings}
     return LearningConfig(
         online=online, store=args.learn_store, shared_pool=args.learn_shared,
         opt_out=frozenset(t.strip() for t in args.learn_opt_out.split(",") if t.strip()),
         budget_records=args.learn_budget_records, budget_tokens=args.learn_budget_tokens,
-        publish_every=args.learn_publish_every, drafters=drafters, **settings,
+        publish_every=args.learn_publish_every, batch_records=args.learn_batch_records, drafters=drafters, **settings,
     )
 
 

@@ -208,3 +208,76 @@ def test_learner_runs_until_sigterm_and_logs_progress(raw, models, stream_key, h
     assert learner.returncode == 0, err
     assert "until stopped" in err and "stopped;" in err and "8 records" in err, err
     assert "'applied': 8" in err, err  # a progress line: the counters so far
+
+
+# --- bench --online --learner-process: a learner process per system, running only beside its requests
+
+
+def _proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_bench_learner_process_is_paused_between_its_requests_and_learns_while_running(raw, models, stream_key, home, tmp_path):
+    import argparse
+
+    from bench.online import LearnerProcess, add_online_arguments
+
+    target, zoo, tokenizer = models
+    model = make_model(0)
+    prompts = [tokenizer.encode(t, add_special_tokens=True) for t in _prompt_texts()[:10]]
+    writer = RedisFeedbackStream(URL, stream=stream_key)
+    for record in target_records(model, prompts, k=4, per_prompt=2, drafter=zoo, tenant="bench"):
+        writer.emit(record.encode())
+    writer.close()
+    parser = argparse.ArgumentParser()
+    add_online_arguments(parser)
+    args = parser.parse_args(["--drafter", zoo, "--learner-process", URL, "--publish-every", "4", "--lr", "0.01"])
+    store = tmp_path / "store"
+    learner = LearnerProcess("optimistic", args, stream_key, str(store), str(target), tmp_path / "learner.log", home)
+    try:
+        learner.wait_ready()
+        learner.pause()
+        assert learner.state() == "T" == _proc_state(learner.process.pid)  # stopped: it takes no CPU from the others' requests
+        before = learner.cpu_s()
+        time.sleep(1.0)
+        assert learner.cpu_s() == before
+        learner.resume()
+        assert _proc_state(learner.process.pid) != "T"
+        deadline = time.monotonic() + 120
+        key = VariantKey("bench", zoo)
+        while DirectoryModelStore(store).serving(key) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert DirectoryModelStore(store).serving(key) is not None, (tmp_path / "learner.log").read_text()
+        assert learner.cpu_s() > before
+    finally:
+        last = learner.stop()
+    assert learner.process.returncode == 0 and "stopped;" in last, last
+
+
+def test_bench_online_with_learner_processes(raw, models, home, tmp_path):
+    import argparse
+    from types import SimpleNamespace
+
+    from bench.online import add_online_arguments, run_online_bench
+
+    target, zoo, _ = models
+    corpus = tmp_path / "book.txt"
+    corpus.write_text("\n\n".join(" ".join(["the cat sat on the mat and the dog ran to the house"] * 4) for _ in range(4)))
+    parser = argparse.ArgumentParser()
+    add_online_arguments(parser)
+    out = tmp_path / "out"
+    argv = ["--corpus", str(corpus), "--limit", "3", "--drafter", zoo, "--max-new-tokens", "8", "--systems", "frozen,ogd",
+            "--out", str(out), "--target", str(target), "--forgetting-per-category", "0",
+            "--learner-process", URL, "--publish-every", "4"]
+    before = {k for k in raw.scan_iter("specpool:bench:*")}
+    assert run_online_bench(parser.parse_args(argv), SimpleNamespace(home=home)) == 0
+    per_prompt = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert {r["system"] for r in per_prompt} == {"frozen", "ogd"}
+    assert all("learner_cpu_s" in r for r in per_prompt if r["system"] == "ogd")
+    assert not any("learner_cpu_s" in r for r in per_prompt if r["system"] == "frozen")
+    report = (out / "report.md").read_text()
+    assert "separate processes" in report and "learner CPU s" in report and "stopped;" in report
+    assert "stopped;" in (out / "learner-ogd.log").read_text()
+    assert {k for k in raw.scan_iter("specpool:bench:*")} == before  # its streams are deleted
+    with pytest.raises(Exception, match="not both"):
+        run_online_bench(parser.parse_args(argv + ["--concurrent"]), SimpleNamespace(home=home))
