@@ -300,6 +300,7 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grow-vocab", type=int, default=online.grow_vocab,
                         help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
+    parser.add_argument("--context-tail", type=int, default=64, help="context tokens a feedback record keeps (default 64)")
     parser.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between)")
     add_process_arguments(parser)
     parser.add_argument("--out", default="bench/results/online", help="output folder")
@@ -372,7 +373,7 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join([
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
-        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--precondition", args.precondition,
+        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--context-tail", str(args.context_tail), "--precondition", args.precondition,
         "--grow-vocab", str(args.grow_vocab), "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
@@ -414,6 +415,8 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
+    group.add_argument("--context-tail", type=int, default=d["context_tail"],
+                       help=f"context tokens a feedback record keeps (default {d['context_tail']})")
     group.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between requests)")
     add_process_arguments(group)
     add_forgetting_arguments(group)
@@ -431,6 +434,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         corpus=args.prompts, limit=args.limit, drafter=drafters[0], systems=args.systems, k=args.k,
         max_new_tokens=ONLINE_DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
+        context_tail=args.context_tail,
         grow_vocab=args.grow_vocab,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
@@ -558,6 +562,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     process_mode = getattr(args, "learner_process", None) is not None
     check(not (process_mode and args.concurrent), "give --concurrent or --learner-process, not both")
     check(args.publish_every >= 1 and args.learner_threads >= 1, "--publish-every and --learner-threads must be >= 1")
+    check(args.batch_records >= 1 and args.context_tail >= 1, "--batch-records and --context-tail must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")
     hedge_lrs = parse_step_sizes(args.hedge_lrs)
@@ -597,7 +602,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     }
     (out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
-                          batch_records=args.batch_records, drafters=(args.drafter,), read_block_s=0.01,
+                          batch_records=args.batch_records, context_tail=args.context_tail, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition,
                                               grow_vocab=args.grow_vocab))
     learnings: dict[str, EmbeddedLearning | None] = {}
