@@ -457,6 +457,18 @@ def _delete_streams(url: str, streams: list[str]) -> None:
         client.close()
 
 
+def _die_with_parent() -> None:
+    """Linux: the learner gets SIGKILL when the benchmark dies (a paused learner would otherwise
+    wait for a SIGCONT forever); elsewhere nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 class LearnerProcess:
     """One learning system's ``specpool learner`` process (``--learner-process``), on this
     machine: niced, with few torch threads, and paused (SIGSTOP) except while its system serves."""
@@ -479,8 +491,13 @@ class LearnerProcess:
         self.log_path = log_path
         self._log = log_path.open("w")
         nice = args.learner_nice
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+        def setup() -> None:  # in the child, before exec
+            if nice:
+                os.nice(nice)
+            _die_with_parent()
+
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=setup)
         self.paused = False
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -491,6 +508,12 @@ class LearnerProcess:
                 raise InvalidArgument(f"the learner process did not start; its log {self.log_path}:\n"
                                       f"{self.log_path.read_text()[-2000:]}")
             time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """A learner that died would leave its system serving stale versions: the run stops instead."""
+        if self.process.poll() is not None:
+            raise InvalidArgument(f"the learner process exited with code {self.process.returncode}; its log "
+                                  f"{self.log_path}:\n{self.log_path.read_text()[-2000:]}")
 
     def pause(self) -> None:
         import os
@@ -607,6 +630,11 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
                                               grow_vocab=args.grow_vocab))
     learnings: dict[str, EmbeddedLearning | None] = {}
     processes: dict[str, LearnerProcess] = {}
+    previous_sigterm = None
+    if process_mode:  # SIGTERM unwinds like Ctrl-C, so the learners are resumed, stopped and reaped
+        import signal
+
+        previous_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for system in systems:
         if system == "frozen":
             learnings[system] = None
@@ -625,6 +653,8 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     except BaseException:
         for process in processes.values():
             process.stop(timeout_s=30)
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         raise
     stop_ids = engine.stop_token_ids()
     encoded = [engine.encode_prompt(p) for p in prompts]
@@ -634,6 +664,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
         process = processes.get(system)
         if process is not None:  # its learner runs beside this request, and only then
+            process.check_alive()
             cpu = process.cpu_s()
             process.resume()
         started = time.perf_counter()
@@ -677,6 +708,8 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     finally:
         engine.learning = None
         learner_summaries = {s: p.stop() for s, p in processes.items()}
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         for learning in learnings.values():
             if learning is not None:
                 learning.close()

@@ -281,3 +281,34 @@ def test_bench_online_with_learner_processes(raw, models, home, tmp_path):
     assert {k for k in raw.scan_iter("specpool:bench:*")} == before  # its streams are deleted
     with pytest.raises(Exception, match="not both"):
         run_online_bench(parser.parse_args(argv + ["--concurrent"]), SimpleNamespace(home=home))
+
+
+def test_bench_learner_process_dies_with_the_benchmark(models, home, tmp_path):
+    """A paused learner whose benchmark was killed does not linger (PR_SET_PDEATHSIG)."""
+    target, zoo, _ = models
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import argparse, os, sys, time\n"
+        "from pathlib import Path\n"
+        "from bench.online import LearnerProcess, add_online_arguments\n"
+        "parser = argparse.ArgumentParser(); add_online_arguments(parser)\n"
+        f"args = parser.parse_args(['--drafter', {zoo!r}, '--learner-process', {URL!r}])\n"
+        f"learner = LearnerProcess('ogd', args, 'specpool-test-orphan', {str(tmp_path / 'store')!r}, {str(target)!r}, "
+        f"Path({str(tmp_path / 'learner.log')!r}), Path({str(home)!r}))\n"
+        "learner.wait_ready(); learner.pause()\n"
+        "print(learner.process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _proc_state(child) == "T"
+        parent.kill()  # no cleanup runs in the benchmark
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and _proc_state(child) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{child}").exists() or _proc_state(child) == "Z"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
