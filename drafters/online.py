@@ -374,8 +374,21 @@ def compare(candidate: nn.Module, serving: nn.Module, records: Sequence[Feedback
             metric: str = "greedy") -> Comparison:
     """Paired BD comparison of two versions of a drafter on held-out records."""
     index = 0 if metric == "greedy" else 1
-    a = _per_position(candidate, records)[index]  # (N,)
-    b = _per_position(serving, records)[index]
+    return paired(_per_position(candidate, records)[index], _per_position(serving, records)[index])
+
+
+def record_bd(model: nn.Module, records: Sequence[FeedbackRecord], metric: str = "greedy") -> list[torch.Tensor]:
+    """BD (1 - TV, greedy or soft) at each draft position, one tensor per record: a version's
+    scores on a held-out record never change, so the learner keeps the serving version's."""
+    if not records:
+        return []
+    values = _per_position(model, records)[0 if metric == "greedy" else 1]  # (N,), record by record
+    counts = [sum(1 for row in r.target_probs[: len(r.draft)] if sum(row) > 0) for r in records]
+    return list(values.split(counts))
+
+
+def paired(a: torch.Tensor, b: torch.Tensor) -> Comparison:
+    """The comparison of candidate scores ``a`` with serving scores ``b`` on the same positions (N,)."""
     diff = (a - b).double()
     se = float(diff.std(unbiased=True)) / math.sqrt(len(diff)) if len(diff) > 1 else float("inf")
     z = float(diff.mean()) / se if se > 0 else (0.0 if float(diff.mean()) == 0 else math.copysign(float("inf"), float(diff.mean())))

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+import torch
+
 from drafters.base import Drafter
 from drafters.feedback import (
     BadFeedback,
@@ -52,7 +54,7 @@ from drafters.feedback import (
 )
 from drafters.hot_swap import DrafterSlot, learnable
 from drafters.model_store import SHARED_SCOPE, ModelStore, VariantKey, open_model_store
-from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, compare
+from drafters.online import OnlineConfig, OnlineDrafterLearner, build_served_model, paired, record_bd
 from drafters.zoo_model import ZooLM
 from router.errors import InvalidArgument, ModelUnavailable, StoreUnavailable
 from router.loop import RoundFeedback
@@ -137,6 +139,7 @@ class _Variant:
     first_uncommitted: float = 0.0
     steps_since_commit: int = 0
     serving_model: tuple[int, object] | None = None  # (version, network) last built, saves a load per commit
+    serving_bd: tuple[int, dict] | None = None  # (version, held-out record id -> its BD per position)
 
 
 class Learner:
@@ -370,10 +373,11 @@ class Learner:
             holdout = list(variant.holdout)
             candidate_bd = serving_bd = z = None
             regressed = False
-            candidate = None
+            candidate = candidate_scores = None
             if len(holdout) >= self.config.min_holdout:
                 candidate = build_served_model(variant.base, tensors, metadata)
-                comparison = compare(candidate, self._serving_model(variant), holdout, self.config.rollback_metric)
+                candidate_scores = record_bd(candidate, holdout, self.config.rollback_metric)
+                comparison = paired(torch.cat(candidate_scores), torch.cat(self._serving_scores(variant, holdout)))
                 candidate_bd, serving_bd, z = comparison.candidate_bd, comparison.serving_bd, comparison.z
                 regressed = comparison.regressed(self.config.rollback_bd_drop, self.config.rollback_z)
             metadata.update(parent=variant.serving_version, heldout_bd=candidate_bd, parent_heldout_bd=serving_bd,
@@ -394,6 +398,8 @@ class Learner:
                 self.store.promote(key, version)
                 variant.serving_version = version
                 variant.serving_model = None if candidate is None else (version, candidate)
+                variant.serving_bd = None if candidate is None else \
+                    (version, {r.record_id: v for r, v in zip(holdout, candidate_scores)})
                 self.counters["promoted"] += 1
                 row["decision"] = "promoted"
                 if self.on_promote is not None:
@@ -410,6 +416,19 @@ class Learner:
         entry_ids, variant.uncommitted = variant.uncommitted, []
         variant.uncommitted_ids = set()
         self._ack(entry_ids)
+
+    def _serving_scores(self, variant: _Variant, holdout: list[FeedbackRecord]) -> list[torch.Tensor]:
+        """The serving version's BD on each held-out record: remembered per record, so a commit
+        scores only the records held out since the last one (and the candidate on all)."""
+        version, known = variant.serving_bd if variant.serving_bd and variant.serving_bd[0] == variant.serving_version \
+            else (variant.serving_version, {})
+        missing = [r for r in holdout if r.record_id not in known]
+        if missing:
+            known.update(zip((r.record_id for r in missing),
+                             record_bd(self._serving_model(variant), missing, self.config.rollback_metric)))
+        known = {r.record_id: known[r.record_id] for r in holdout}  # records no longer held out are dropped
+        variant.serving_bd = (version, known)
+        return [known[r.record_id] for r in holdout]
 
     def _serving_model(self, variant: _Variant):
         if variant.serving_version == 0:

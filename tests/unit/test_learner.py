@@ -552,3 +552,35 @@ def test_served_variants_pin_one_version_per_request_and_follow_promotions(tmp_p
     assert "s-first" not in first.caches._caches and "s-base" in base.caches._caches
     variants.release("s-base")
     assert "s-base" not in base.caches._caches
+
+
+def test_remembered_serving_scores_give_the_fresh_comparison(tmp_path, zoo_base, records):
+    """The serving version's held-out scores are kept per record between commits; every commit's
+    figures equal a comparison made from scratch on that commit's held-out set."""
+    from drafters.online import build_served_model, compare
+
+    stream = InProcessFeedbackStream(capacity=1000)
+    learner = make_learner(tmp_path, stream, zoo_base, publish_every=10**6, holdout_every=3, min_holdout=2,
+                           rollback_metric="soft")
+    checked = 0
+    for start in range(0, len(records), 8):
+        for record in records[start:start + 8]:
+            stream.emit(record.encode())
+        rows = len(learner.history)
+        learner.drain()  # one commit
+        if len(learner.history) == rows or learner.history[-1]["heldout_bd"] is None:
+            continue
+        row = learner.history[-1]
+        holdout = list(learner.variants[KEY].holdout)
+
+        def model(version):
+            if version == 0:
+                return zoo_base
+            tensors, metadata = learner.store.load(KEY, version)
+            return build_served_model(zoo_base, tensors, metadata)
+
+        fresh = compare(model(row["version"]), model(row["parent"]), holdout, "soft")
+        assert row["heldout_bd"] == pytest.approx(fresh.candidate_bd, abs=1e-6)
+        assert row["parent_heldout_bd"] == pytest.approx(fresh.serving_bd, abs=1e-6)
+        checked += 1
+    assert checked >= 3  # several commits, most of them with remembered scores

@@ -594,3 +594,25 @@ def test_grown_vocabulary_travels_with_checkpoints_and_versions(zoo_base, stream
     bad = dict(tensors, vocab_ids=tensors["vocab_ids"].flip(0))
     with pytest.raises(InvalidArgument, match="vocabulary"):
         OnlineDrafterLearner(zoo_base, config).load_serving_tensors(bad)
+
+
+def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
+    from drafters.online import compare, paired, record_bd
+
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
+    for record in stream_records[:8]:
+        learner.step(learner.batch([record]))
+    tensors, metadata = learner.serving_tensors()
+    candidate = build_served_model(zoo_base, tensors, metadata)
+    for metric in ("greedy", "soft"):
+        per_record = record_bd(zoo_base, stream_records, metric)
+        assert [len(v) for v in per_record] == [len(r.draft) for r in stream_records]
+        # Scored in other batches (as the learner's cache does), a record's scores stay the same.
+        halves = record_bd(zoo_base, stream_records[:5], metric) + record_bd(zoo_base, stream_records[5:], metric)
+        for a, b in zip(per_record, halves):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        fresh = compare(candidate, zoo_base, stream_records, metric)
+        cached = paired(torch.cat(record_bd(candidate, stream_records, metric)), torch.cat(halves))
+        assert cached.candidate_bd == pytest.approx(fresh.candidate_bd, abs=1e-6)
+        assert cached.serving_bd == pytest.approx(fresh.serving_bd, abs=1e-6)
+        assert cached.z == pytest.approx(fresh.z, rel=1e-3, abs=1e-6) and cached.positions == fresh.positions
