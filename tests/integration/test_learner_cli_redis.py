@@ -225,26 +225,30 @@ def test_bench_learner_process_is_paused_between_its_requests_and_learns_while_r
     target, zoo, tokenizer = models
     model = make_model(0)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in _prompt_texts()[:10]]
-    writer = RedisFeedbackStream(URL, stream=stream_key)
-    for record in target_records(model, prompts, k=4, per_prompt=2, drafter=zoo, tenant="bench"):
-        writer.emit(record.encode())
-    writer.close()
     parser = argparse.ArgumentParser()
     add_online_arguments(parser)
     args = parser.parse_args(["--drafter", zoo, "--learner-process", URL, "--publish-every", "4", "--lr", "0.01"])
     store = tmp_path / "store"
+    key = VariantKey("bench", zoo)
     learner = LearnerProcess("optimistic", args, stream_key, str(store), str(target), tmp_path / "learner.log", home)
     try:
         learner.wait_ready()
         learner.pause()
-        assert learner.state() == "T" == _proc_state(learner.process.pid)  # stopped: it takes no CPU from the others' requests
+        assert learner.state() == "T" == _proc_state(learner.process.pid)  # stopped: no CPU taken from others
+        # Feedback arrives while it is paused: nothing is read, nothing learnt, no CPU used.
+        records = target_records(model, prompts, k=4, per_prompt=2, drafter=zoo, tenant="bench")
+        writer = RedisFeedbackStream(URL, stream=stream_key)
+        for record in records:
+            writer.emit(record.encode())
+        writer.close()
         before = learner.cpu_s()
         time.sleep(1.0)
         assert learner.cpu_s() == before
+        assert lag_and_pending(raw, stream_key, "bench") == (len(records), 0)  # none read
+        assert DirectoryModelStore(store).serving(key) is None
         learner.resume()
-        assert _proc_state(learner.process.pid) != "T"
+        assert learner.state() != "T"
         deadline = time.monotonic() + 120
-        key = VariantKey("bench", zoo)
         while DirectoryModelStore(store).serving(key) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert DirectoryModelStore(store).serving(key) is not None, (tmp_path / "learner.log").read_text()
