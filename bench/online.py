@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -461,7 +464,6 @@ def _die_with_parent() -> None:
     """Linux: the learner gets SIGKILL when the benchmark dies (a paused learner would otherwise
     wait for a SIGCONT forever); elsewhere nothing."""
     import ctypes
-    import signal
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
@@ -475,9 +477,6 @@ class LearnerProcess:
 
     def __init__(self, system: str, args: argparse.Namespace, stream: str, store: str, target: str, log_path: Path,
                  home: Path):
-        import os
-        import subprocess
-
         command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
@@ -516,9 +515,6 @@ class LearnerProcess:
                                   f"{self.log_path}:\n{self.log_path.read_text()[-2000:]}")
 
     def pause(self) -> None:
-        import os
-        import signal
-
         if not self.paused and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGSTOP)
             self.paused = True
@@ -527,9 +523,6 @@ class LearnerProcess:
                 time.sleep(0.001)
 
     def resume(self) -> None:
-        import os
-        import signal
-
         if self.paused and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGCONT)
             self.paused = False
@@ -548,15 +541,11 @@ class LearnerProcess:
 
     def cpu_s(self) -> float:
         """CPU seconds the process has used (all its threads), from /proc."""
-        import os
-
         fields = self._stat()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0  # utime + stime
 
     def stop(self, timeout_s: float = 600.0) -> str:
         """SIGTERM (the learner commits what it applied, then exits); returns its last log line."""
-        import subprocess
-
         self.resume()
         if self.process.poll() is None:
             self.process.terminate()
@@ -632,8 +621,6 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     processes: dict[str, LearnerProcess] = {}
     previous_sigterm = None
     if process_mode:  # SIGTERM unwinds like Ctrl-C, so the learners are resumed, stopped and reaped
-        import signal
-
         previous_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for system in systems:
         if system == "frozen":

@@ -212,6 +212,14 @@ def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus
     return FeedbackBatch(inputs, ids, probs, mask)
 
 
+def mixture_log_probs(logits: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """log q of the mixture q = sum_i w_i softmax(logits_i), from each member's logits (..., V_r)."""
+    if len(logits) == 1:
+        return F.log_softmax(logits[0].float(), dim=-1)
+    parts = [F.log_softmax(l.float(), dim=-1) + torch.log(w.clamp_min(1e-30)) for l, w in zip(logits, weights)]
+    return torch.logsumexp(torch.stack(parts), dim=0)
+
+
 # --- the ensemble as one drafter network --------------------------------------------------------
 
 
@@ -258,19 +266,14 @@ class ZooEnsembleLM(nn.Module):
 
     def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """log of the mixture q (N, V_r) at the positions ``where`` marks (as ``ZooLM.logits_at``)."""
-        parts = [F.log_softmax(m.logits_at(input_ids, where).float(), dim=-1) + torch.log(w.clamp_min(1e-30))
-                 for m, w in zip(self.members, self.weights)]
-        return torch.logsumexp(torch.stack(parts), dim=0)
+        return mixture_log_probs([m.logits_at(input_ids, where) for m in self.members], self.weights)
 
     def forward(self, input_ids: torch.Tensor, cache: EnsembleCache | None = None, use_cache: bool = True,
                 logits_to_keep: int = 0) -> ZooOutput:
         caches = cache.caches if (cache is not None and use_cache) else [None] * len(self.members)
-        parts = []
-        for member, member_cache, w in zip(self.members, caches, self.weights):
-            logits = member(input_ids, member_cache, use_cache=member_cache is not None,
-                            logits_to_keep=logits_to_keep).logits  # (B, T, V_r)
-            parts.append(F.log_softmax(logits.float(), dim=-1) + torch.log(w.clamp_min(1e-30)))
-        return ZooOutput(torch.logsumexp(torch.stack(parts), dim=0))  # (B, T, V_r)
+        logits = [member(input_ids, member_cache, use_cache=member_cache is not None, logits_to_keep=logits_to_keep).logits
+                  for member, member_cache in zip(self.members, caches)]  # each (B, T, V_r)
+        return ZooOutput(mixture_log_probs(logits, self.weights))
 
 
 def clone_zoo(base: ZooLM) -> ZooLM:
@@ -476,10 +479,7 @@ class OnlineDrafterLearner:
 
     def mixture_log_probs(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """log q of the served distribution from each member's logits (N, V_r)."""
-        if len(logits) == 1:
-            return F.log_softmax(logits[0].float(), dim=-1)
-        parts = [F.log_softmax(l.float(), dim=-1) + math.log(max(float(w), 1e-30)) for l, w in zip(logits, self.weights)]
-        return torch.logsumexp(torch.stack(parts), dim=0)
+        return mixture_log_probs(logits, self.weights)
 
     def loss(self, batch: FeedbackBatch) -> float:
         """The served distribution's distillation loss on ``batch`` (no update)."""
