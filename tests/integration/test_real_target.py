@@ -65,3 +65,27 @@ def test_cli_generate_json_on_default_target() -> None:
     assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
     assert result["stats"]["new_tokens"] == len(result["token_ids"]) <= 20
     assert result["text"]
+
+
+def test_bench_served_embedded_worker_answers_like_the_engine(engine: EmbeddedEngine) -> None:
+    """bench-served measures the embedded side in a Ray-free child process: same tokens as here."""
+    from bench.served import EmbeddedWorker
+
+    worker = EmbeddedWorker(settings_from_env().home, ["ngram"], k=5, max_new_tokens=16, policy="metasd-ucb")
+    try:
+        tokens, wall = worker.generate(PROMPTS[1])
+    finally:
+        worker.close()
+    ids = engine.encode_prompt(PROMPTS[1])
+    here = engine.generate(ids, SamplingParams(max_new_tokens=16, stop_token_ids=engine.stop_token_ids()), drafter=None)
+    assert tokens == here.token_ids
+    assert wall > 0
+    assert not worker._process.is_alive()
+
+
+def test_bench_served_embedded_worker_reports_a_failed_load() -> None:
+    from bench.served import EmbeddedWorker
+    from router.errors import SpecpoolError
+
+    with pytest.raises(SpecpoolError, match="no-such-drafter"):
+        EmbeddedWorker(settings_from_env().home, ["no-such-drafter"], k=5, max_new_tokens=4, policy="metasd-ucb")
