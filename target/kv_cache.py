@@ -81,17 +81,23 @@ class PrefixCache:
         return keep
 
     @torch.inference_mode()
-    def logits(self, input_ids: list[int], n_last: int) -> torch.Tensor:
+    def logits(self, input_ids: list[int], n_last: int, pad_to: int = 0) -> torch.Tensor:
         """Logits (n_last, V) for the last ``n_last`` positions of ``input_ids``.
 
         Feeds only the part of ``input_ids`` past the cached common prefix; afterwards the cache
-        holds exactly ``input_ids``.
+        holds exactly ``input_ids``. ``pad_to``: feed at least that many positions, padding after
+        the real ones (see ``target.verifier.forward_width``). Causal attention keeps pads from
+        touching the real positions; their logits are dropped and their keys/values cropped.
         """
         keep = self.reuse(input_ids, n_last)
-        new = torch.tensor([input_ids[keep:]], dtype=torch.long, device=self.model.device)  # (1, T)
-        out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last, **{self._kwarg: self.cache})
+        fed = input_ids[keep:]
+        pads = max(0, pad_to - len(fed))
+        new = torch.tensor([fed + fed[-1:] * pads], dtype=torch.long, device=self.model.device)  # (1, T + pads)
+        out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last + pads, **{self._kwarg: self.cache})
+        if pads:
+            self.cache.crop(-pads)  # negative = remove that many from the end (v4 and v5)
         self.token_ids = list(input_ids)
-        return out.logits[0, -n_last:]  # (n_last, V)
+        return out.logits[0, -n_last - pads:out.logits.shape[1] - pads]  # (n_last, V)
 
 
 def supports_batched_logits(model: PreTrainedModel) -> bool:

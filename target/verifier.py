@@ -24,6 +24,21 @@ TARGET_STREAM = 0  # random stream id of the target's draws (drafters use others
 # verify_batch splits a batch where padding would cost more than one more forward: the fixed cost
 # of a forward (reading all weights) in tokens' worth of compute. See ``plan_forwards``.
 SPLIT_COST_TOKENS = 64
+# Forward widths (positions fed) worth padding up to on a CPU. MKL's float32 matmuls at 2-3 rows
+# (and 6-7) are slower than at 4 (and 8): on the default target, two cores, a forward of 3
+# positions took 88 ms, of 4 positions 67 ms, of 7 positions 90 ms, of 8 positions 69 ms. So a
+# round with 1-2 drafts verifies 3 positions padded to 4, one with 5-6 drafts pads to 8.
+# Measured by ``bench/verify_width.py``; on a GPU every small width costs the same: no padding.
+CPU_FORWARD_WIDTHS = (4, 5, 8)
+
+
+def forward_width(fed: int, widths: Sequence[int]) -> int:
+    """Positions to feed for ``fed`` real ones: the smallest of ``widths`` that holds them, or
+    ``fed`` itself. A single position (a plain decode step) is never padded: it is the cheapest
+    forward of all, and it is the target-only baseline."""
+    if fed < 2:
+        return fed
+    return min((w for w in widths if w >= fed), default=fed)
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,7 @@ class TargetVerifier:
         tokenizer: PreTrainedTokenizerBase,
         cache_capacity: int = 64,
         split_cost_tokens: int = SPLIT_COST_TOKENS,  # see plan_forwards
+        forward_widths: Sequence[int] | None = None,  # see forward_width; None: CPU_FORWARD_WIDTHS on a CPU
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -85,13 +101,23 @@ class TargetVerifier:
         # Padded batching needs plain full-attention caches; other models verify one by one.
         self.batchable = supports_batched_logits(model)
         self.split_cost_tokens = split_cost_tokens
+        if forward_widths is None:
+            forward_widths = CPU_FORWARD_WIDTHS if model.device.type == "cpu" else ()
+        if any(w < 1 for w in forward_widths):
+            raise InvalidArgument(f"forward widths must be >= 1, got {list(forward_widths)}")
+        self.forward_widths = tuple(sorted(forward_widths))
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         self._check(request)
         k = len(request.draft_tokens)
         cache = self.caches.get(request.session_id)
+        ids = request.context_ids + request.draft_tokens
+        fed = len(ids) - cache.reusable(ids, k + 1)
+        pad_to = forward_width(fed, self.forward_widths)
+        if len(ids) + pad_to - fed > self.context_window:
+            pad_to = fed  # no room for pads at the end of the window
         started = time.perf_counter()
-        logits = cache.logits(request.context_ids + request.draft_tokens, n_last=k + 1)  # (k+1, V)
+        logits = cache.logits(ids, n_last=k + 1, pad_to=pad_to)  # (k+1, V)
         return self._accept(request, cache, logits, time.perf_counter() - started)
 
     def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult | SpecpoolError]:

@@ -12,7 +12,8 @@ from drafters.hf_model import HFModelDrafter
 from target.kv_cache import PrefixCache, SessionCaches, common_prefix_length
 from target.rejection import SparseDist
 from target.sampling import SamplingParams
-from target.verifier import VerifyRequest
+from router.errors import InvalidArgument
+from target.verifier import TargetVerifier, VerifyRequest, forward_width
 
 ATOL = 1e-5
 
@@ -176,3 +177,100 @@ def test_session_caches_lru(target_lm):
     caches.release("b")
     caches.release("unknown")
     assert len(caches) == 1
+
+
+# -- padded forwards (target.verifier.forward_width) -------------------------------------------------
+
+
+@pytest.mark.parametrize("fed, widths, expected", [
+    (0, (4, 5, 8), 0),
+    (1, (4, 5, 8), 1),  # a decode step is never padded
+    (2, (4, 5, 8), 4),
+    (3, (4, 5, 8), 4),
+    (4, (4, 5, 8), 4),
+    (5, (4, 5, 8), 5),
+    (6, (4, 5, 8), 8),
+    (7, (4, 5, 8), 8),
+    (9, (4, 5, 8), 9),  # wider than every listed width: as is
+    (300, (4, 5, 8), 300),  # a prefill
+    (3, (), 3),  # no widths (a GPU): no padding
+])
+def test_forward_width_table(fed, widths, expected):
+    assert forward_width(fed, widths) == expected
+
+
+@pytest.mark.parametrize("pad_to", [4, 8])
+def test_padded_logits_equal_unpadded_and_leave_no_pads_cached(target_lm, pad_to):
+    model, _ = target_lm
+    padded, plain = PrefixCache(model), PrefixCache(model)
+    context = [1, 5, 9, 12, 7, 30, 41]
+    for cache in (padded, plain):
+        cache.logits(context, 1)
+    for step in ([3, 4], [3, 4, 8], [3, 6]):  # extend, extend, branch
+        ids = context + step
+        got = padded.logits(ids, len(step) + 1, pad_to=pad_to)
+        assert got.shape == (len(step) + 1, model.config.vocab_size)
+        torch.testing.assert_close(got, plain.logits(ids, len(step) + 1), atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(got, fresh_logits(model, ids, len(step) + 1), atol=ATOL, rtol=1e-4)
+        assert padded.token_ids == ids
+        assert cached_length(padded) == len(ids)  # the pads' keys/values are gone
+
+
+def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(target_lm, greedy_reference, monkeypatch):
+    model, tokenizer = target_lm
+    fed_widths: list[int] = []
+    original = PrefixCache.logits
+
+    def recording(self, input_ids, n_last, pad_to=0):  # observes the forward widths asked for
+        fed_widths.append(max(pad_to, len(input_ids) - self.reusable(input_ids, n_last)))
+        return original(self, input_ids, n_last, pad_to)
+
+    context = [1, 4, 8, 15, 16, 23, 42]
+    t = greedy_reference(model, context, 8)
+    outcomes = {}
+    for widths in (None, ()):  # the CPU default, then no padding
+        verifier = TargetVerifier(model, tokenizer, forward_widths=widths)
+        monkeypatch.setattr(PrefixCache, "logits", recording)
+        fed_widths.clear()
+        results = []
+        ctx = list(context)
+        for drafts in ([t[0], t[1]], [t[2] + 1], [t[2], t[3], t[4], t[5], t[6]]):
+            drafts = [x % model.config.vocab_size for x in drafts]
+            result = verifier.verify(VerifyRequest("s", ctx, drafts, [SparseDist.one_hot(x) for x in drafts], SamplingParams(max_new_tokens=20)))
+            results.append((result.accepted, result.tokens))
+            ctx = ctx + result.tokens
+            assert verifier.caches.get("s").token_ids == ctx[:-1]
+            assert cached_length(verifier.caches.get("s")) == len(ctx) - 1
+        monkeypatch.setattr(PrefixCache, "logits", original)
+        outcomes[widths] = (results, list(fed_widths))
+    assert outcomes[None][0] == outcomes[()][0]
+    assert outcomes[None][1] == [len(context) + 2, 4, 8]  # prefill as is; 2 positions -> 4; 6 -> 8
+    assert outcomes[()][1] == [len(context) + 2, 2, 6]
+
+
+def test_verifier_does_not_pad_past_the_context_window(target_lm, monkeypatch):
+    model, tokenizer = target_lm
+    context, drafts = [1, 4, 8, 15, 16, 23, 42], [5]
+    pads_asked: list[int] = []
+    original = PrefixCache.logits
+
+    def recording(self, input_ids, n_last, pad_to=0):
+        pads_asked.append(pad_to)
+        return original(self, input_ids, n_last, pad_to)
+
+    monkeypatch.setattr(PrefixCache, "logits", recording)
+    for window, expected_pad_to in ((None, 4), (len(context) + len(drafts) + 1, 2)):
+        verifier = TargetVerifier(model, tokenizer)
+        verifier.verify(VerifyRequest("s", context, [], [], SamplingParams(max_new_tokens=4)))
+        if window is not None:
+            verifier.context_window = window  # room for the round, none for pads
+        pads_asked.clear()
+        result = verifier.verify(VerifyRequest("s", context, drafts, [SparseDist.one_hot(5)], SamplingParams(max_new_tokens=4)))
+        assert pads_asked == [expected_pad_to]
+        assert cached_length(verifier.caches.get("s")) == len(context) + result.accepted
+
+
+def test_verifier_rejects_bad_forward_widths(target_lm):
+    model, tokenizer = target_lm
+    with pytest.raises(InvalidArgument, match="forward widths"):
+        TargetVerifier(model, tokenizer, forward_widths=(0, 4))
