@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from drafters.zoo_data import check_domain, collect_prompts
 from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
-from router.errors import InvalidArgument, SpecpoolError
+from router.errors import InvalidArgument, NotFound, SpecpoolError
 
 TEACHER_FORMAT = 1  # bump when the shard layout changes
 
@@ -67,6 +67,9 @@ class TrainConfig:
     num_layers: int = 2  # drafter blocks
     intermediate_size: int = 768  # drafter MLP width (capped by the target's)
     reduced_vocab: int = 8192  # drafter output vocabulary (capped by the target's)
+    # A trained zoo drafter (shipped name or folder) whose blocks, norm and output biases start
+    # this run instead of the target's layers: a small domain fine-tunes a broader drafter.
+    init_from: str | None = None
 
 
 # --- 1. teacher data --------------------------------------------------------------------------
@@ -377,6 +380,12 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         # answers were made before, in full fp32. Restored on the way out.
         previous_precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
+    if heldout and config.init_from and state.step == 0 and not state.val_losses:
+        # A trained starting point may already be the best there will be: it is a candidate too.
+        val = heldout_loss(model, heldout, vocab_map, config)
+        state.val_losses.append(round(val, 4))
+        state.best_val, state.best_step = val, 0
+        best = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.train()
     bar = tqdm(total=until, initial=state.step, desc=f"distil {config.domain}", unit="step", dynamic_ncols=True)
     window_loss, window_steps, started, window_tokens = 0.0, 0, time.perf_counter(), 0
@@ -535,6 +544,44 @@ def zoo_config_for(target_config, config: TrainConfig) -> ZooConfig:
     )
 
 
+def resolve_drafter_folder(spec: str) -> Path:
+    """A shipped zoo drafter's name (``general``), ``zoo:PATH`` or a folder -> its folder."""
+    from drafters.zoo import SHIPPED_DIR, shipped_names
+
+    if spec in shipped_names():
+        return SHIPPED_DIR / spec
+    folder = Path(spec.removeprefix("zoo:"))
+    if not (folder / "config.json").exists():
+        raise NotFound(f"--init-from {spec!r}: neither a shipped zoo drafter ({', '.join(shipped_names())}) "
+                       "nor a folder with a trained drafter (config.json, model.safetensors)")
+    return folder
+
+
+def init_from_drafter(model: ZooLM, spec: str, home: Path, target_name: str) -> None:
+    """Start ``model`` from a trained drafter: its blocks and norm as they are; each output bias
+    from the source's bias of the same token, or, for a token the source's vocabulary lacks,
+    the median of the source's biases (a neutral prior for a token it never proposed)."""
+    from drafters.zoo import load_zoo_model
+
+    source, metadata = load_zoo_model(resolve_drafter_folder(spec), home, target_name)
+    shape = {k: v for k, v in model.config.to_dict().items() if k != "reduced_vocab"}
+    source_shape = {k: v for k, v in source.config.to_dict().items() if k != "reduced_vocab"}
+    if shape != source_shape:
+        differ = sorted(k for k in shape if shape[k] != source_shape.get(k))
+        raise InvalidArgument(f"--init-from {spec!r}: its shape differs from this run's in {', '.join(differ)}")
+    with torch.no_grad():
+        model.blocks.load_state_dict(source.blocks.state_dict())
+        model.norm.load_state_dict(source.norm.state_dict())
+        position = torch.full((model.vocab_size,), -1, dtype=torch.long)
+        position[source.vocab_ids] = torch.arange(len(source.vocab_ids))
+        where = position[model.vocab_ids]  # (V_r,): the source's row of each token, or -1
+        bias = torch.full_like(model.head_bias, float(source.head_bias.median()))
+        bias[where >= 0] = source.head_bias[where[where >= 0]].to(bias)
+        model.head_bias.copy_(bias)
+    print(f"{model.config.num_layers} blocks, norm and biases from drafter {metadata.get('name', spec)!r} "
+          f"({int((where >= 0).sum())} of {len(where)} tokens in its vocabulary)", flush=True)
+
+
 def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
                   device: str = "cpu", teacher_only: bool = False) -> dict:
     """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata.
@@ -560,6 +607,8 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     if not config.lr > 0:
         raise InvalidArgument(f"--lr must be > 0, got {config.lr}")
     ModelConfig(target_name, device).check_device()  # before any corpus or model is read
+    if config.init_from and not teacher_only:
+        resolve_drafter_folder(config.init_from)  # a wrong name fails now, not after the teacher's answers
     if not teacher_only:
         check_output_dir(out)
     prompts = collect_prompts([Path(p) for p in config.data], config.max_prompts, config.seed)
@@ -593,6 +642,8 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     last = target.config.num_hidden_layers - 1
     init_from_target_layers(model, target_state, [min(i, last) for i in config.init_layers][: zoo_config.num_layers])
     del target, target_state
+    if config.init_from:
+        init_from_drafter(model, config.init_from, home, target_name)
     model.to(device)
     vocab_map = torch.full((embedding.shape[0],), -1, dtype=torch.long)
     vocab_map[vocab_ids] = torch.arange(len(vocab_ids))

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--teacher-time-limit", type=float, default=0.0, metavar="MIN",
                        help="start no new teacher batch after MIN minutes; train on the prompts answered so far")
     train.add_argument("--teacher-only", action="store_true", help="only precompute the target's answers (the teacher store), then stop")
+    train.add_argument("--init-from", default=None, metavar="DRAFTER",
+                       help="start from a trained zoo drafter (shipped name or folder) instead of the target's layers: "
+                            "fine-tune a broader drafter on a small domain")
     train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
     train.add_argument("--target", default=None, help="target model (default: the embedded default)")
     zoo_commands.add_parser("manifest", help="hash the shipped drafters (drafters/zoo/) and record their reference acceptance")
@@ -285,7 +288,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         lr=args.lr, warmup=args.warmup, train_context_tokens=args.context_tokens, save_every=args.save_every,
         teacher_batch=args.teacher_batch, time_limit_s=max(args.time_limit, 0.0) * 60,
-        teacher_time_limit_s=max(args.teacher_time_limit, 0.0) * 60,
+        teacher_time_limit_s=max(args.teacher_time_limit, 0.0) * 60, init_from=args.init_from,
     )
     metadata = train_drafter(config, settings.home, out, args.resume, args.target or DEFAULT_TARGET,
                              device=args.device, teacher_only=args.teacher_only)

@@ -925,3 +925,73 @@ def test_zoo_train_cli_bad_training_options(cli, corpus, tmp_path, flag, value):
                          "--out", str(tmp_path / "out"))
     assert_one_line_error(code, err, flag)
     assert model_files_in(tmp_path / "out") == []
+
+
+# --- starting from a trained drafter (--init-from) -----------------------------------------------
+
+
+def test_init_from_a_trained_drafter_copies_blocks_norm_and_mapped_biases(trained, pipeline, model_dirs):
+    """The new run's vocabulary differs from the source's (some tokens dropped, others added):
+    blocks and norm are the source's; a shared token keeps its bias, a new one gets the median."""
+    from drafters.zoo_train import init_from_drafter
+
+    source, _ = load_zoo_model(trained.out, trained.home, target=str(model_dirs.target))
+    model = pipeline.fresh_model()
+    vocab = model.vocab_ids.clone()
+    outside = [t for t in range(model.vocab_size) if t not in set(source.vocab_ids.tolist())][:5]
+    vocab[-len(outside):] = torch.tensor(outside)  # tokens the source never had
+    model = ZooLM(model.config, model.embedding, vocab)
+    init_from_drafter(model, str(trained.out), trained.home, str(model_dirs.target))
+    for name, value in source.blocks.state_dict().items():
+        assert torch.equal(model.blocks.state_dict()[name], value), name
+    assert torch.equal(model.norm.weight, source.norm.weight)
+    row = {int(t): i for i, t in enumerate(source.vocab_ids)}
+    median = float(source.head_bias.detach().median())
+    for i, token in enumerate(model.vocab_ids.tolist()):
+        want = float(source.head_bias[row[token]].detach()) if token in row else median
+        assert float(model.head_bias[i].detach()) == pytest.approx(want), token
+    assert sum(t not in row for t in model.vocab_ids.tolist()) >= len(outside)
+
+
+def test_init_from_refuses_a_drafter_of_another_shape(trained, pipeline, model_dirs):
+    from drafters.zoo_train import init_from_drafter
+
+    model = pipeline.fresh_model()
+    deeper = ZooLM(dataclasses.replace(model.config, num_layers=model.config.num_layers + 1), model.embedding, model.vocab_ids)
+    with pytest.raises(InvalidArgument, match="num_layers"):
+        init_from_drafter(deeper, str(trained.out), trained.home, str(model_dirs.target))
+
+
+def test_init_from_an_unknown_drafter_fails_before_any_work(tmp_path, zoo_home, corpus, model_dirs):
+    out = tmp_path / "out"
+    with pytest.raises(NotFound, match="no-such-drafter"):
+        train_drafter(tiny_config(corpus, init_from="no-such-drafter"), tmp_path / "home", out, resume=False,
+                      target_name=str(model_dirs.target))
+    assert not (tmp_path / "home").exists()  # no teacher store, no checkpoint
+    assert_nothing_half_written(out)
+
+
+def test_init_from_checks_the_starting_weights_on_the_heldout_set(pipeline, monkeypatch):
+    """Started from a trained drafter, the starting weights are a held-out candidate (step 0): if
+    no later check beats them, the run ships them unchanged."""
+    p = pipeline
+    config = dataclasses.replace(p.config, steps=6, save_every=3, init_from="general")
+    start = p.fresh_model()
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+    injected = iter([1.0, 2.0, 3.0])
+    monkeypatch.setattr("drafters.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
+    state = train_steps(start, p.sequences, p.vocab_map, config, None, False, heldout=p.sequences[:2])
+    assert state.val_losses == [1.0, 2.0, 3.0] and state.best_step == 0 and state.step == 6
+    for name, value in before.items():
+        assert torch.equal(value, start.state_dict()[name]), name
+
+
+def test_init_from_through_the_cli(cli, trained, tmp_path, corpus):
+    common = ["zoo", "train", "--domain", "chat", "--data", str(corpus), "--steps", "4", "--max-prompts", "8",
+              "--max-new-tokens", "6", "--batch-size", "2"]
+    code, out, err = cli(*common, "--init-from", "nope")
+    assert_one_line_error(code, err, "--init-from 'nope'", "shipped zoo drafter")
+    code, out, err = cli(*common, "--init-from", str(trained.out))
+    assert code == 0, err
+    config = json.loads((tmp_path / "home" / "zoo" / "drafters" / "chat" / "config.json").read_text())
+    assert config["train_config"]["init_from"] == str(trained.out) and config["steps"] == 4
