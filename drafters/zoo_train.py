@@ -515,6 +515,8 @@ def model_card(metadata: dict) -> str:
         f"| own parameters | {metadata['own_parameters']} |",
         f"| reduced vocabulary | {metadata['model']['reduced_vocab']} tokens |",
         f"| seed | {metadata['seed']} |",
+        *([f"| started from | drafter `{init}` (its blocks, norm and output biases) |"]
+          if (init := metadata.get("train_config", {}).get("init_from")) else []),
         "",
         "## Acceptance (specpool zoo eval, k = 5)",
         "",
