@@ -77,13 +77,18 @@ def _load(name: str, folder: Path, context: DrafterContext) -> ZooDrafter:
     return ZooDrafter(name, model, metadata)
 
 
+def zoo_folder(argument: str) -> Path:
+    """A shipped drafter's name (``general``) -> its folder in drafters/zoo/; anything else is a
+    path to a trained folder."""
+    return SHIPPED_DIR / argument if argument in shipped_names() else Path(argument).expanduser()
+
+
 @register_drafter("zoo")
 def _make_zoo(name: str, argument: str, context: DrafterContext) -> ZooDrafter:
     """``zoo:NAME`` (a shipped drafter) or ``zoo:PATH`` (a trained folder)."""
     if not argument:
         raise InvalidArgument(f"zoo drafter needs a name or folder; shipped: {', '.join(shipped_names()) or 'none'}")
-    folder = SHIPPED_DIR / argument if argument in shipped_names() else Path(argument).expanduser()
-    return _load(name, folder, context)
+    return _load(name, zoo_folder(argument), context)
 
 
 @register_name_resolver

@@ -380,12 +380,19 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         # answers were made before, in full fp32. Restored on the way out.
         previous_precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
-    if heldout and config.init_from and state.step == 0 and not state.val_losses:
-        # A trained starting point may already be the best there will be: it is a candidate too.
+
+    def check_heldout() -> float:
+        """Held-out loss of the current weights; keeps them if they are the best so far."""
+        nonlocal best
         val = heldout_loss(model, heldout, vocab_map, config)
         state.val_losses.append(round(val, 4))
-        state.best_val, state.best_step = val, 0
-        best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if val < state.best_val:
+            state.best_val, state.best_step = val, state.step
+            best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return val
+
+    if heldout and config.init_from and state.step == 0 and not state.val_losses:
+        check_heldout()  # a trained starting point may already be the best there will be
     model.train()
     bar = tqdm(total=until, initial=state.step, desc=f"distil {config.domain}", unit="step", dynamic_ncols=True)
     window_loss, window_steps, started, window_tokens = 0.0, 0, time.perf_counter(), 0
@@ -409,11 +416,7 @@ def train_steps(model: ZooLM, sequences: list[Sequence], vocab_map: torch.Tensor
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{window_tokens / (time.perf_counter() - started):.0f}")
         if heldout and (state.step % config.save_every == 0 or state.step == config.steps):
-            val = heldout_loss(model, heldout, vocab_map, config)
-            state.val_losses.append(round(val, 4))
-            if val < state.best_val:
-                state.best_val, state.best_step = val, state.step
-                best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            val = check_heldout()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val:.3f}", best_step=state.best_step)
         if state.step % config.save_every == 0 or state.step == until:
             state.losses.append(window_loss / window_steps)
@@ -548,11 +551,9 @@ def zoo_config_for(target_config, config: TrainConfig) -> ZooConfig:
 
 def resolve_drafter_folder(spec: str) -> Path:
     """A shipped zoo drafter's name (``general``), ``zoo:PATH`` or a folder -> its folder."""
-    from drafters.zoo import SHIPPED_DIR, shipped_names
+    from drafters.zoo import shipped_names, zoo_folder
 
-    if spec in shipped_names():
-        return SHIPPED_DIR / spec
-    folder = Path(spec.removeprefix("zoo:"))
+    folder = zoo_folder(spec.removeprefix("zoo:"))
     if not (folder / "config.json").exists():
         raise NotFound(f"--init-from {spec!r}: neither a shipped zoo drafter ({', '.join(shipped_names())}) "
                        "nor a folder with a trained drafter (config.json, model.safetensors)")

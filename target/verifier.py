@@ -112,7 +112,7 @@ class TargetVerifier:
         k = len(request.draft_tokens)
         cache = self.caches.get(request.session_id)
         ids = request.context_ids + request.draft_tokens
-        fed = len(ids) - cache.reusable(ids, k + 1)
+        fed = self._new_tokens(request)
         pad_to = forward_width(fed, self.forward_widths)
         if len(ids) + pad_to - fed > self.context_window:
             pad_to = fed  # no room for pads at the end of the window
