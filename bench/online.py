@@ -292,7 +292,7 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    from drafters.online import OnlineConfig
+    from drafters.online import SUPERVISION, OnlineConfig
 
     online = OnlineConfig()  # the library's defaults are the benchmark's
     parser.add_argument("--lr", type=float, default=online.lr, help=f"OGD / optimistic OGD step size (default {online.lr})")
@@ -303,6 +303,8 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grow-vocab", type=int, default=online.grow_vocab,
                         help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
+    parser.add_argument("--supervision", choices=SUPERVISION, default=online.supervision,
+                        help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {online.supervision})")
     parser.add_argument("--context-tail", type=int, default=64, help="context tokens a feedback record keeps (default 64)")
     parser.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between)")
     add_process_arguments(parser)
@@ -376,7 +378,7 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join([
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
-        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--context-tail", str(args.context_tail), "--precondition", args.precondition,
+        "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--supervision", args.supervision, "--context-tail", str(args.context_tail), "--precondition", args.precondition,
         "--grow-vocab", str(args.grow_vocab), "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
@@ -418,6 +420,8 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
+    group.add_argument("--supervision", choices=("distribution", "argmax"), default=d["supervision"],
+                       help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {d['supervision']})")
     group.add_argument("--context-tail", type=int, default=d["context_tail"],
                        help=f"context tokens a feedback record keeps (default {d['context_tail']})")
     group.add_argument("--concurrent", action="store_true", help="learners train while requests run (default: between requests)")
@@ -437,7 +441,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         corpus=args.prompts, limit=args.limit, drafter=drafters[0], systems=args.systems, k=args.k,
         max_new_tokens=ONLINE_DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
-        context_tail=args.context_tail,
+        supervision=args.supervision, context_tail=args.context_tail,
         grow_vocab=args.grow_vocab,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
@@ -480,7 +484,7 @@ class LearnerProcess:
         command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
-                   "--grow-vocab", str(args.grow_vocab), "--batch-records", str(args.batch_records),
+                   "--grow-vocab", str(args.grow_vocab), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
                    "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)
@@ -616,7 +620,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, context_tail=args.context_tail, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition,
-                                              grow_vocab=args.grow_vocab))
+                                              grow_vocab=args.grow_vocab, supervision=args.supervision))
     learnings: dict[str, EmbeddedLearning | None] = {}
     processes: dict[str, LearnerProcess] = {}
     previous_sigterm = None

@@ -59,6 +59,9 @@ from router.errors import InvalidArgument, ModelUnavailable
 ALGORITHMS = ("ogd", "optimistic", "hedge")
 
 
+SUPERVISION = ("distribution", "argmax")
+
+
 def parse_step_sizes(text: str) -> tuple[float, ...]:
     """The Hedge members' step sizes from "0.01,0.05,0.2" (command lines of generate, learner, bench)."""
     try:
@@ -80,6 +83,12 @@ class OnlineConfig:
     hedge_eta: float = 1.0  # Hedge's learning rate on (capped) losses in nats
     hedge_share: float = 0.01  # fixed share: each member keeps at least share / M of the weight
     loss_cap: float = 10.0  # live losses are capped here: Hedge needs bounded losses
+    # What the drafter is fit to at each position: "distribution", the target's top-K p (soft
+    # cross-entropy, right for sampled traffic); "argmax", the target's most likely token alone
+    # (cross-entropy on it): greedy decoding accepts a draft token iff it is the target's argmax,
+    # so the drafter need not spend capacity on the rest of p. A peaked fit also makes the drafter
+    # confident where it is right, which its confidence stop (drafters/hf_model.py) rewards.
+    supervision: str = "distribution"
     # "adagrad": per-coordinate step sizes eta / sqrt(sum of squared past gradients) (Duchi, Hazan
     # & Singer 2011; McMahan & Streeter 2010), in every algorithm; "none": one global step size.
     precondition: str = "adagrad"
@@ -92,6 +101,8 @@ class OnlineConfig:
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise InvalidArgument(f"unknown online algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        if self.supervision not in SUPERVISION:
+            raise InvalidArgument(f"supervision is {' or '.join(SUPERVISION)}, not {self.supervision!r}")
         if self.precondition not in ("none", "adagrad"):
             raise InvalidArgument(f"precondition is none or adagrad, not {self.precondition!r}")
         if self.hedge_member not in ("ogd", "optimistic"):
@@ -190,10 +201,12 @@ def vocab_map_for(model: nn.Module) -> torch.Tensor:
     return vocab_map
 
 
-def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus: bool = True) -> FeedbackBatch:
+def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus: bool = True,
+               argmax: bool = False) -> FeedbackBatch:
     """Records as one padded batch. Logits at position t predict token t+1, so the target's row j
     (the token after context + draft[:j]) sits at t = len(context) - 1 + j. ``bonus`` False
-    leaves out the last row (BD is defined over the k draft positions only)."""
+    leaves out the last row (BD is defined over the k draft positions only). ``argmax`` keeps
+    only each row's most likely token, with p = 1 (hard labels; K = 1)."""
     length = max(len(r.context) + len(r.draft) for r in records)
     width = max(len(row) for r in records for row in r.target_ids)
     inputs = torch.zeros(len(records), length, dtype=torch.long)
@@ -205,9 +218,15 @@ def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus
         rows = len(r.target_ids) if bonus else len(r.draft)
         for j in range(rows):
             t = len(r.context) - 1 + j
-            row = torch.tensor(r.target_ids[j])
+            row, p = torch.tensor(r.target_ids[j]), torch.tensor(r.target_probs[j])
+            if argmax:
+                if len(row):
+                    ids[b, t, 0], probs[b, t, 0] = vocab_map[row[p.argmax()]], 1.0
+                continue
             ids[b, t, : len(row)] = vocab_map[row]
-            probs[b, t, : len(row)] = torch.tensor(r.target_probs[j])
+            probs[b, t, : len(row)] = p
+    if argmax:
+        ids, probs = ids[..., :1], probs[..., :1]
     mask = (ids >= 0).any(-1)  # (B, L)
     return FeedbackBatch(inputs, ids, probs, mask)
 
@@ -434,7 +453,7 @@ class OnlineDrafterLearner:
     def batch(self, records: Sequence[FeedbackRecord]) -> FeedbackBatch:
         """``records`` as a training batch, after letting them grow the vocabulary."""
         self.observe(records)
-        return make_batch(records, self.vocab_map)
+        return make_batch(records, self.vocab_map, argmax=self.config.supervision == "argmax")
 
     def observe(self, records: Sequence[FeedbackRecord]) -> torch.Tensor:
         """Add the target's p on outside tokens to their sums; the tokens whose sum reaches

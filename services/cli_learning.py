@@ -41,7 +41,7 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
     group.add_argument(*names("--learn-algorithm", "--algo", "--learner-algo"), dest="learn_algorithm",
                        choices=ALGORITHMS, default="ogd",
                        help="online algorithm: ogd, optimistic (optimistic OGD) or hedge (ensemble of step sizes); default ogd")
-    from drafters.online import OnlineConfig
+    from drafters.online import SUPERVISION, OnlineConfig
 
     online = OnlineConfig()  # its defaults are the options' defaults
     group.add_argument(*names("--learn-lr", "--lr"), dest="learn_lr", type=float, default=None, metavar="LR",
@@ -53,6 +53,11 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
                        help=f"adagrad: per-coordinate step sizes; none: one global step (default {online.precondition})")
     group.add_argument(*names("--learn-grow-vocab", "--grow-vocab"), dest="learn_grow_vocab", type=int, default=None, metavar="N",
                        help=f"tokens a drafter variant may add to its vocabulary from the target's feedback (default {online.grow_vocab})")
+    group.add_argument(*names("--learn-supervision", "--supervision"), dest="learn_supervision", default=None,
+                       choices=SUPERVISION,
+                       help="what drafters are fit to: distribution (the target's top-K p; right for sampled "
+                            "traffic) or argmax (its most likely token; for greedy traffic) "
+                            f"(default {online.supervision})")
     group.add_argument(*names("--learn-store", "--store", "--model-store"), dest="learn_store", default=None, metavar="PATH",
                        help="model store: a folder or file:// URI (default $SPECPOOL_HOME/online)")
     group.add_argument(*names("--learn-shared", "--shared"), dest="learn_shared", action="store_true",
@@ -94,6 +99,8 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online = replace(online, precondition=args.learn_precondition)
     if getattr(args, "learn_grow_vocab", None) is not None:
         online = replace(online, grow_vocab=args.learn_grow_vocab)
+    if getattr(args, "learn_supervision", None) is not None:
+        online = replace(online, supervision=args.learn_supervision)
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")

@@ -124,7 +124,8 @@ def test_online_config_validation():
     for bad in (OnlineConfig(algorithm="adam"), OnlineConfig(lr=-1.0), OnlineConfig(hedge_member="hedge"),
                 OnlineConfig(algorithm="hedge", hedge_lrs=()), OnlineConfig(clip_norm=0.0),
                 OnlineConfig(hedge_share=1.0), OnlineConfig(lr=float("nan")), OnlineConfig(grow_vocab=-1),
-                OnlineConfig(grow_min_mass=0.0), OnlineConfig(grow_bias_quantile=1.5)):
+                OnlineConfig(grow_min_mass=0.0), OnlineConfig(grow_bias_quantile=1.5),
+                OnlineConfig(supervision="hard")):
         with pytest.raises(InvalidArgument):
             bad.validate()
 
@@ -380,6 +381,37 @@ def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
     assert served_after.agreement > served_before.agreement
     # The base network is untouched: learning trains copies.
     assert evaluate(zoo_base, stream_records).loss == pytest.approx(served_before.loss)
+
+
+def test_argmax_batch_keeps_each_rows_most_likely_token():
+    """Hard labels: one entry per row, the target's most likely token (wherever it sits in the
+    row), p = 1; a row whose most likely token is outside the vocabulary is not supervised."""
+    vocab_map = torch.full((20,), -1, dtype=torch.long)
+    vocab_map[torch.tensor([2, 3, 4, 9, 10, 11])] = torch.arange(6)
+    record = a_record(context=(1, 5, 7), draft=(9, 10), target_ids=((4, 9), (11, 10), (12, 3)),
+                      target_probs=((0.2, 0.7), (0.5, 0.4), (0.6, 0.3)))
+    soft, hard = make_batch([record], vocab_map), make_batch([record], vocab_map, argmax=True)
+    assert soft.ids.shape[-1] == 2 and hard.ids.shape[-1] == 1
+    assert hard.ids[0, 2:5, 0].tolist() == [vocab_map[9], vocab_map[11], -1]
+    assert hard.probs[0, 2:4, 0].tolist() == [1.0, 1.0]
+    assert hard.mask[0].tolist() == [False, False, True, True, False]
+    assert soft.mask[0].tolist() == [False, False, True, True, True]
+
+
+def test_argmax_supervision_teaches_the_targets_argmax(zoo_base, stream_records):
+    """Fit to the target's most likely token, the drafter agrees with it more often, and its
+    greedy BD (p of its argmax) rises."""
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="ogd", lr=0.05, supervision="argmax"))
+    before = evaluate(zoo_base, stream_records)
+    hard = learner.batch(stream_records)
+    assert hard.ids.shape[-1] == 1
+    loss_before = learner.loss(hard)
+    for _ in range(3):
+        for record in stream_records:
+            learner.step(learner.batch([record]))
+    assert learner.loss(hard) < loss_before - 0.3
+    after = evaluate(learner.members[0], stream_records)
+    assert after.agreement > before.agreement and after.bd_greedy > before.bd_greedy
 
 
 def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_records):
