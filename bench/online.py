@@ -420,7 +420,9 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
-    group.add_argument("--supervision", choices=("distribution", "argmax"), default=d["supervision"],
+    from drafters.online import SUPERVISION
+
+    group.add_argument("--supervision", choices=SUPERVISION, default=d["supervision"],
                        help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {d['supervision']})")
     group.add_argument("--context-tail", type=int, default=d["context_tail"],
                        help=f"context tokens a feedback record keeps (default {d['context_tail']})")

@@ -57,9 +57,7 @@ from drafters.zoo_train import distillation_loss
 from router.errors import InvalidArgument, ModelUnavailable
 
 ALGORITHMS = ("ogd", "optimistic", "hedge")
-
-
-SUPERVISION = ("distribution", "argmax")
+SUPERVISION = ("distribution", "argmax")  # OnlineConfig.supervision
 
 
 def parse_step_sizes(text: str) -> tuple[float, ...]:
@@ -208,7 +206,7 @@ def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus
     leaves out the last row (BD is defined over the k draft positions only). ``argmax`` keeps
     only each row's most likely token, with p = 1 (hard labels; K = 1)."""
     length = max(len(r.context) + len(r.draft) for r in records)
-    width = max(len(row) for r in records for row in r.target_ids)
+    width = 1 if argmax else max(len(row) for r in records for row in r.target_ids)
     inputs = torch.zeros(len(records), length, dtype=torch.long)
     ids = torch.full((len(records), length, width), -1, dtype=torch.long)
     probs = torch.zeros(len(records), length, width)
@@ -219,14 +217,11 @@ def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus
         for j in range(rows):
             t = len(r.context) - 1 + j
             row, p = torch.tensor(r.target_ids[j]), torch.tensor(r.target_probs[j])
-            if argmax:
-                if len(row):
-                    ids[b, t, 0], probs[b, t, 0] = vocab_map[row[p.argmax()]], 1.0
-                continue
+            if argmax and len(row):
+                top = int(p.argmax())
+                row, p = row[top: top + 1], torch.ones(1)
             ids[b, t, : len(row)] = vocab_map[row]
             probs[b, t, : len(row)] = p
-    if argmax:
-        ids, probs = ids[..., :1], probs[..., :1]
     mask = (ids >= 0).any(-1)  # (B, L)
     return FeedbackBatch(inputs, ids, probs, mask)
 
