@@ -26,13 +26,14 @@ two options +12 %. With `{"supervision": "argmax"}` the two options gave +18.7 %
 run (`bench/results/online-shakespeare/`) +16.7 %.
 
 ``--records served`` goes one step further and gives each record what a served round's has: the
-accepted tokens, then the draft token the target rejected and the target's p after it (an
-off-path row, computed with the target: about half a served record's rows on prose). It is the
-closest to a real run: on the Shakespeare stream with argmax supervision it gave 1.477 on the last
-third against the served run's 1.472 (``drafted`` 1.49). Fitting only the on-path rows instead
-(rows cut at the first rejection; tried in the learner, not kept) gave 1.470 - no better; two passes over
-each prompt's records (``--epochs 2``) 1.491, at twice the learner time; batches of 2 records 1.479; ``--rehearse`` (extra
-steps on earlier prompts' records) 1.493 at 1x and 1.462 at 3x, in ``drafted`` mode.
+accepted tokens, then the draft token the target rejected and the target's p after it (an off-path
+row, computed with the target: about half a served record's rows on prose). It is the closest to a
+real run: on the Shakespeare stream with argmax supervision it gave 1.477 on the last third against
+the served run's 1.472 (``drafted`` 1.49). Fitting only the on-path rows instead (rows cut at the
+first rejection; tried in the learner, not kept) gave 1.470 - no better; two passes over each
+prompt's records (``--epochs 2``) 1.491, at twice the learner time; batches of 2 records 1.479;
+``--rehearse`` (extra steps on earlier prompts' records) 1.493 at 1x and 1.462 at 3x, in
+``drafted`` mode.
 
 It prints the mean accepted length on the first third, the last third and overall.
 """
