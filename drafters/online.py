@@ -564,6 +564,29 @@ class OnlineDrafterLearner:
             member.load_state_dict({**own, "vocab_ids": member.vocab_ids})
         self.weights = tensors["hedge_weights"].clone()
 
+    def adopt_step_sizes(self, other: "OnlineDrafterLearner") -> bool:
+        """Take ``other``'s AdaGrad sums G (not its optimistic hints), cut to this learner's
+        vocabulary, which must be a prefix of ``other``'s. After a rollback the per-coordinate step
+        sizes go on from where they were: a fresh G would make the next step move every
+        coordinate by the full eta, as the stream's very first step does, and such a jolt is the
+        kind of update that gets rolled back again. False (and G left as it is) when the two do
+        not fit: another ensemble size or a vocabulary that is not a prefix."""
+        ours, theirs = self.members[0].vocab_ids, other.members[0].vocab_ids
+        if len(other.accumulated) != len(self.members) or len(theirs) < len(ours) or \
+                not torch.equal(theirs[: len(ours)].cpu(), ours.cpu()):
+            return False
+        adopted = []
+        for member, sums in zip(self.members, other.accumulated):
+            params = self._params(member)
+            if sums is not None and (len(sums) != len(params) or any(
+                    g.dim() != q.dim() or g.shape[1:] != q.shape[1:] or g.shape[:1] < q.shape[:1] for g, q in zip(sums, params))):
+                return False
+            # A grown vocabulary only appends rows (head_bias), so the first rows are this learner's.
+            adopted.append(None if sums is None else [g[: q.shape[0]].clone() if g.dim() else g.clone()
+                                                      for g, q in zip(sums, params)])
+        self.accumulated = adopted
+        return True
+
     def state_dict(self) -> dict:
         return {
             "config": asdict(self.config),

@@ -441,11 +441,13 @@ class Learner:
         return model
 
     def _restore_serving(self, variant: _Variant) -> None:
-        """Back to the serving version's weights, with a fresh algorithm state (no stale hints)."""
+        """Back to the serving version's weights, without the rolled-back steps' optimistic hints
+        (stale), but with the AdaGrad sums, so the step sizes do not start over at full size."""
         fresh = OnlineDrafterLearner(variant.base, self.config.online)
         if variant.serving_version:
             tensors, metadata = self.store.load(variant.key, variant.serving_version)
             fresh.load_serving_tensors(tensors)
+        fresh.adopt_step_sizes(variant.learner)
         # What the rolled-back candidate added to its vocabulary must be seen again to come back.
         fresh.outside_mass = variant.learner.outside_mass.clone()
         fresh.steps = variant.learner.steps

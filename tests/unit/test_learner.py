@@ -187,6 +187,15 @@ def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatc
         return report
 
     monkeypatch.setattr(type(variant.learner), "step", corrupted_step)
+    restores = []  # (AdaGrad sums before the rollback, the learner after it)
+    clean_restore = Learner._restore_serving
+
+    def recorded_restore(self, rolled_variant):
+        before = [None if a is None else [g.clone() for g in a] for a in rolled_variant.learner.accumulated]
+        clean_restore(self, rolled_variant)
+        restores.append((before, rolled_variant.learner))
+
+    monkeypatch.setattr(Learner, "_restore_serving", recorded_restore)
     for record in records[24:]:
         stream.emit(record.encode())
     with caplog.at_level("WARNING", logger="specpool.learner"):
@@ -206,6 +215,12 @@ def test_corrupted_update_is_rolled_back(tmp_path, zoo_base, records, monkeypatc
     if grow_vocab:
         assert len(good_tensors["vocab_ids"]) > len(zoo_base.vocab_ids)
     assert stream.pending() == 0  # rolled-back records are acknowledged: their effect was decided once
+    # The step sizes go on (AdaGrad's sums are kept, cut to the served vocabulary); the stale
+    # optimistic hint is dropped.
+    before, restored = restores[0]
+    assert before[0] is not None and restored.previous == [None]
+    for kept, summed in zip(restored.accumulated[0], before[0]):
+        assert torch.equal(kept, summed[: kept.shape[0]])
 
 
 # --- tenants --------------------------------------------------------------------------------------

@@ -562,6 +562,26 @@ def test_vocabulary_grows_by_the_targets_mass_outside_it(zoo_base, stream_record
     assert learner.grown <= 3 and len(zoo_base.vocab_ids) == 48 and zoo_base.head_bias.shape == (48,)
 
 
+def test_step_sizes_carry_over_to_a_learner_on_a_prefix_of_the_vocabulary(zoo_base, stream_records):
+    grown = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="optimistic", lr=0.003, grow_vocab=3, grow_min_mass=0.2))
+    for record in stream_records[:6]:
+        grown.step(grown.batch([record]))
+    assert grown.grown > 0 and grown.accumulated[0] is not None
+    fresh = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="optimistic", lr=0.003))
+    assert fresh.adopt_step_sizes(grown)
+    names = [n for n, p in fresh.members[0].named_parameters() if p.requires_grad]
+    for name, kept, summed in zip(names, fresh.accumulated[0], grown.accumulated[0]):
+        assert kept.shape == dict(fresh.members[0].named_parameters())[name].shape
+        assert torch.equal(kept, summed[: kept.shape[0]]), name
+    assert fresh.previous == [None]  # hints are not step sizes: they stay behind
+    # A vocabulary that is not a prefix, or another ensemble size, does not fit: nothing changes.
+    sums = [g.clone() for g in grown.accumulated[0]]
+    assert not grown.adopt_step_sizes(fresh)  # fresh's vocabulary is shorter than grown's
+    assert all(torch.equal(a, b) for a, b in zip(grown.accumulated[0], sums))
+    other = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.001, 0.003)))
+    assert not other.adopt_step_sizes(grown) and other.accumulated == [None, None]
+
+
 def test_fixed_vocabulary_never_grows(zoo_base, stream_records):
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.003, grow_vocab=0))
     for record in stream_records:
