@@ -12,8 +12,8 @@ learner with the rest (AdaGrad; SCALE makes its steps logit-sized). It monkeypat
 
 On the Shakespeare stream it gave 1.502 on the last third against 1.477 without it (frozen 1.261):
 +19.1 % against +17.1 %; the learned weight ended at 1.29 logits. Why: 13 % of the target's answer
-tokens there are outside the drafter's vocabulary, many of them names from the prompt (' Roman', '
-Marcus', pieces of 'Coriolanus'), and a two-layer drafter does not copy them. With vocabulary
+tokens there are outside the drafter's vocabulary, many of them names from the prompt (' Roman',
+' Marcus', pieces of 'Coriolanus'), and a two-layer drafter does not copy them. With vocabulary
 growth as well (``"grow_vocab": 2048, "grow_min_mass": 0.5``, so that those names can be proposed
 at all) it gave 1.522 (+20.7 %; 1.518 at COPY_SCALE=50). Growth alone gave 1.495 (``--records
 drafted``), and scale 400 without growth 1.464 (steps too large). Building it for real needs the
