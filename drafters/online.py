@@ -549,11 +549,9 @@ class OnlineDrafterLearner:
         """Grow to ``vocab_ids`` (a saved version's or checkpoint's), which must extend ours."""
         if vocab_ids is None:
             return
-        ours = self.members[0].vocab_ids.cpu()
-        vocab_ids = vocab_ids.long().cpu()
-        if len(vocab_ids) < len(ours) or not torch.equal(vocab_ids[: len(ours)], ours):
+        if not self._extended_by(vocab_ids):
             raise InvalidArgument("the saved drafter's vocabulary does not extend this drafter's")
-        self.grow(vocab_ids[len(ours):])
+        self.grow(vocab_ids.long().cpu()[len(self.members[0].vocab_ids):])
 
     def load_serving_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take a published version's weights (``serving_tensors``) as the members' own."""
@@ -571,21 +569,22 @@ class OnlineDrafterLearner:
         coordinate by the full eta, as the stream's very first step does, and such a jolt is the
         kind of update that gets rolled back again. False (and G left as it is) when the two do
         not fit: another ensemble size or a vocabulary that is not a prefix."""
-        ours, theirs = self.members[0].vocab_ids, other.members[0].vocab_ids
-        if len(other.accumulated) != len(self.members) or len(theirs) < len(ours) or \
-                not torch.equal(theirs[: len(ours)].cpu(), ours.cpu()):
+        if len(other.accumulated) != len(self.members) or not self._extended_by(other.members[0].vocab_ids):
             return False
         adopted = []
         for member, sums in zip(self.members, other.accumulated):
             params = self._params(member)
-            if sums is not None and (len(sums) != len(params) or any(
-                    g.dim() != q.dim() or g.shape[1:] != q.shape[1:] or g.shape[:1] < q.shape[:1] for g, q in zip(sums, params))):
+            if sums is not None and len(sums) != len(params):
                 return False
             # A grown vocabulary only appends rows (head_bias), so the first rows are this learner's.
-            adopted.append(None if sums is None else [g[: q.shape[0]].clone() if g.dim() else g.clone()
-                                                      for g, q in zip(sums, params)])
+            adopted.append(None if sums is None else [g[: q.shape[0]].clone() for g, q in zip(sums, params)])
         self.accumulated = adopted
         return True
+
+    def _extended_by(self, vocab_ids: torch.Tensor) -> bool:
+        """Whether ``vocab_ids`` is this learner's vocabulary, possibly with tokens appended."""
+        ours, vocab_ids = self.members[0].vocab_ids.cpu(), vocab_ids.long().cpu()
+        return len(vocab_ids) >= len(ours) and torch.equal(vocab_ids[: len(ours)], ours)
 
     def state_dict(self) -> dict:
         return {

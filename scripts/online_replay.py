@@ -147,7 +147,8 @@ def off_path_rows(target, item: dict, rounds: list[tuple[int, int]], rejected: l
 
 def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch.Tensor,
            context_tail: int = CONTEXT_TAIL, accepted: int | None = None) -> SimpleNamespace:
-    """What make_batch reads of a FeedbackRecord: rows j = 0..len(draft) are p after context + draft[:j]."""
+    """What make_batch reads of a FeedbackRecord: rows j = 0..len(draft) are p after context + draft[:j]
+    (``accepted`` None: every draft token is on the target's path)."""
     return SimpleNamespace(context=tuple(context[-context_tail:]), draft=tuple(draft),
                            accepted=len(draft) if accepted is None else accepted,
                            target_ids=tuple(map(tuple, ids.tolist())), target_probs=tuple(map(tuple, probs.tolist())))
@@ -188,18 +189,20 @@ def run(args: argparse.Namespace) -> None:
         for r, (t, accepted) in enumerate(rounds):  # one record per verified round
             counted += 1
             if r in off_path:  # as served: the accepted tokens, the rejected one, and p after each
-                if counted % HOLDOUT_EVERY:
-                    ids, p = off_path[r]
-                    records.append(record(full[: len(item["prompt"]) + t], [*item["output"][t:t + accepted], rejected[r]],
-                                          torch.cat([item["top_ids"][t:t + accepted + 1], ids[None]]),
-                                          torch.cat([item["top_p"][t:t + accepted + 1], p[None]]), args.context_tail, accepted))
-                continue
-            # path: k tokens from each round start; drafted: the accepted ones and the target's next;
-            # served: the accepted ones (a draft that ended unrejected), with p after each and the bonus
-            width = min({"path": K, "drafted": accepted + 1, "served": accepted}[args.records], n - t - 1)
-            if width > 0 and counted % HOLDOUT_EVERY:
-                records.append(record(full[: len(item["prompt"]) + t], item["output"][t:t + width],
-                                      item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1], args.context_tail))
+                ids, p = off_path[r]
+                draft = [*item["output"][t:t + accepted], rejected[r]]
+                rows = (torch.cat([item["top_ids"][t:t + accepted + 1], ids[None]]),
+                        torch.cat([item["top_p"][t:t + accepted + 1], p[None]]))
+            else:
+                # path: k tokens from each round start; drafted: the accepted ones and the target's
+                # next; served: the accepted ones (a draft that ended unrejected), p after each and the bonus
+                width = min({"path": K, "drafted": accepted + 1, "served": accepted}[args.records], n - t - 1)
+                if width <= 0:
+                    continue
+                draft, accepted = item["output"][t:t + width], width
+                rows = item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]
+            if counted % HOLDOUT_EVERY:
+                records.append(record(full[: len(item["prompt"]) + t], draft, *rows, args.context_tail, accepted))
         if args.prefill:  # the target's p on the prompt itself, in chunks of 32 positions
             prompt = item["prompt"]
             for s in range(1, len(prompt) - 1, 32):
