@@ -302,6 +302,8 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"adagrad: per-coordinate steps; none: one global step (default {online.precondition})")
     parser.add_argument("--grow-vocab", type=int, default=online.grow_vocab,
                         help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
+    parser.add_argument("--copy-window", type=int, default=online.copy_window,
+                        help=f"the learners' copy term: inputs looked back over, 0 = none (default {online.copy_window})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
     parser.add_argument("--supervision", choices=SUPERVISION, default=online.supervision,
                         help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {online.supervision})")
@@ -379,7 +381,7 @@ def command_line(args: argparse.Namespace) -> str:
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--supervision", args.supervision, "--context-tail", str(args.context_tail), "--precondition", args.precondition,
-        "--grow-vocab", str(args.grow_vocab), "--out", args.out,
+        "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
            str(args.learner_threads), "--publish-every", str(args.publish_every)] if args.learner_process else []), *(["--target", args.target] if args.target else []),
@@ -418,6 +420,8 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"adagrad: per-coordinate steps; none: one global step (default {d['precondition']})")
     group.add_argument("--grow-vocab", type=int, default=d["grow_vocab"],
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
+    group.add_argument("--copy-window", type=int, default=d["copy_window"],
+                       help=f"the learners' copy term: inputs looked back over, 0 = none (default {d['copy_window']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
     from drafters.online import SUPERVISION
@@ -444,7 +448,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         max_new_tokens=ONLINE_DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
         supervision=args.supervision, context_tail=args.context_tail,
-        grow_vocab=args.grow_vocab,
+        grow_vocab=args.grow_vocab, copy_window=args.copy_window,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
         publish_every=args.publish_every,
@@ -486,7 +490,7 @@ class LearnerProcess:
         command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
-                   "--grow-vocab", str(args.grow_vocab), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
+                   "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
                    "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)
@@ -622,7 +626,8 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     base = LearningConfig(publish_every=10**9, commit_after_s=10**9 if not args.concurrent else 5.0,
                           batch_records=args.batch_records, context_tail=args.context_tail, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition,
-                                              grow_vocab=args.grow_vocab, supervision=args.supervision))
+                                              grow_vocab=args.grow_vocab, copy_window=args.copy_window,
+                                              supervision=args.supervision))
     learnings: dict[str, EmbeddedLearning | None] = {}
     processes: dict[str, LearnerProcess] = {}
     previous_sigterm = None

@@ -53,6 +53,9 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
                        help=f"adagrad: per-coordinate step sizes; none: one global step (default {online.precondition})")
     group.add_argument(*names("--learn-grow-vocab", "--grow-vocab"), dest="learn_grow_vocab", type=int, default=None, metavar="N",
                        help=f"tokens a drafter variant may add to its vocabulary from the target's feedback (default {online.grow_vocab})")
+    group.add_argument(*names("--learn-copy-window", "--copy-window"), dest="learn_copy_window", type=int, default=None, metavar="N",
+                       help="give the learnt drafters a copy term: a learned weight on the tokens of the last N "
+                            f"inputs, starting at 0 (default {online.copy_window}: none; 64 helped on prose)")
     group.add_argument(*names("--learn-supervision", "--supervision"), dest="learn_supervision", default=None,
                        choices=SUPERVISION,
                        help="what drafters are fit to: distribution (the target's top-K p; right for sampled "
@@ -101,6 +104,8 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online = replace(online, grow_vocab=args.learn_grow_vocab)
     if getattr(args, "learn_supervision", None) is not None:
         online = replace(online, supervision=args.learn_supervision)
+    if getattr(args, "learn_copy_window", None) is not None:
+        online = replace(online, copy_window=args.learn_copy_window)
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")

@@ -151,6 +151,7 @@ def test_learner_leaves_records_of_a_conflicting_checkpoint_pending(tmp_path, zo
     (["--learn-publish-every", "0"], ["--learn-publish-every"]),
     (["--learner-algo", "sgd"], ["invalid choice", "sgd"]),
     (["--learn-supervision", "hard"], ["invalid choice", "hard"]),
+    (["--learn-copy-window", "-4"], ["copy_window", "-4"]),
 ])
 def test_generate_learn_bad_options_fail_before_the_model_load(cli, options, fragments):
     # The target does not exist: an error about the options shows they were checked first.
@@ -287,22 +288,24 @@ def test_learner_short_and_long_option_names_agree():
     parser = build_parser()
     short = parser.parse_args(["learner", "--algo", "hedge", "--store", "/s", "--lr", "0.2", "--hedge-lrs", "0.1,1",
                                "--opt-out", "x", "--budget-records", "7", "--budget-tokens", "9", "--shared",
-                               "--publish-every", "3", "--precondition", "none", "--supervision", "argmax"])
+                               "--publish-every", "3", "--precondition", "none", "--supervision", "argmax",
+                               "--copy-window", "32"])
     long = parser.parse_args(["learner", "--learn-algorithm", "hedge", "--learn-store", "/s", "--learn-lr", "0.2",
                               "--learn-hedge-lrs", "0.1,1", "--learn-opt-out", "x", "--learn-budget-records", "7",
                               "--learn-budget-tokens", "9", "--learn-shared", "--learn-publish-every", "3",
-                              "--learn-precondition", "none", "--learn-supervision", "argmax"])
+                              "--learn-precondition", "none", "--learn-supervision", "argmax", "--learn-copy-window", "32"])
     assert vars(short) == vars(long)
     from services.cli_learning import learning_config_from_args
 
     config = learning_config_from_args(short, ("chat",), claim_idle_s=5.0)
     assert (config.online.algorithm, config.online.hedge_lrs, config.online.precondition, config.online.supervision,
-            config.store, config.opt_out) == ("hedge", (0.1, 1.0), "none", "argmax", "/s", frozenset({"x"}))
+            config.online.copy_window, config.store, config.opt_out) == ("hedge", (0.1, 1.0), "none", "argmax", 32, "/s", frozenset({"x"}))
     # Without the option: the library's default (AdaGrad), with its default step sizes.
     from drafters.online import OnlineConfig
 
     default = learning_config_from_args(parser.parse_args(["learner", "--algo", "ogd"]))
     assert (default.online.precondition, default.online.lr) == (OnlineConfig().precondition, OnlineConfig().lr) == ("adagrad", 0.002)
+    assert default.online.copy_window == OnlineConfig().copy_window
     assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every,
             config.claim_idle_s, config.drafters) == (7, 9, True, 3, 5.0, ("chat",))
 

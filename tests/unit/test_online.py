@@ -668,3 +668,126 @@ def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
         assert cached.candidate_bd == pytest.approx(fresh.candidate_bd, abs=1e-6)
         assert cached.serving_bd == pytest.approx(fresh.serving_bd, abs=1e-6)
         assert cached.z == pytest.approx(fresh.z, rel=1e-3, abs=1e-6) and cached.positions == fresh.positions
+
+
+# --- the copy term ------------------------------------------------------------------------------
+
+
+def with_copy_weight(base, window: int, logits: float):
+    """A copy of ``base`` with a copy term of ``window`` whose weight adds ``logits``."""
+    from drafters.online import clone_zoo
+
+    model = clone_zoo(base, copy_window=window, copy_scale=10.0)
+    with torch.no_grad():
+        model.copy_weight.fill_(logits / 10.0)
+    return model.eval()
+
+
+@torch.inference_mode()
+def test_copy_term_adds_its_weight_on_the_tokens_of_the_window(zoo_base):
+    """Brute force: at position t the term is on every in-vocabulary token among ids (t-W, t],
+    and nowhere else; without a learned weight the network is the base network exactly."""
+    window = 3
+    model = with_copy_weight(zoo_base, window, 2.5)
+    ids = torch.tensor([[5, 50, 7, 5, 60, 9, 11, 7, 2, 63, 40]])  # 50, 60, 63 are outside the vocabulary
+    base = zoo_base(ids, use_cache=False).logits[0]  # (T, 48)
+    got = model(ids, use_cache=False).logits[0]
+    expected = base.clone()
+    for t in range(ids.shape[1]):
+        for token in set(ids[0, max(0, t - window + 1): t + 1].tolist()):
+            if token < 48:
+                expected[t, token] += 2.5
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    where = torch.zeros_like(ids, dtype=torch.bool)
+    where[0, [0, 4, 10]] = True
+    torch.testing.assert_close(model.logits_at(ids, where), expected[[0, 4, 10]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_copy_weight(zoo_base, window, 0.0)(ids, use_cache=False).logits[0], base)
+
+
+@torch.inference_mode()
+def test_copy_term_with_the_kv_cache_matches_a_full_forward(zoo_base):
+    """The cache keeps the ids its keys came from, so incremental steps, a rollback by crop, a
+    block after it, and keeping only the last logits all see the same windows as a full forward."""
+    model = with_copy_weight(zoo_base, 4, 3.0)
+    ids = torch.randint(3, 64, (1, 16), generator=torch.Generator().manual_seed(2))
+    full = model(ids, use_cache=False).logits[0]
+    cache = model.new_cache()
+    first = model(ids[:, :7], cache=cache, logits_to_keep=1).logits[0]
+    steps = [model(ids[:, t:t + 1], cache=cache).logits[0] for t in range(7, 11)]
+    cache.crop(-3)
+    assert cache.get_seq_length() == 8 and cache.tokens.shape[1] == 8
+    block = model(ids[:, 8:16], cache=cache).logits[0]
+    torch.testing.assert_close(first, full[6:7], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(steps), full[7:11], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(block, full[8:16], rtol=1e-4, atol=1e-4)
+
+
+def copy_records(n: int, seed: int = 0) -> list[FeedbackRecord]:
+    """Records whose target always continues with a token the context holds (a copying target):
+    random in-vocabulary contexts, and a draft (and p = 1 rows) of tokens picked from them."""
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        context = torch.randint(3, 48, (12,), generator=generator).tolist()
+        picks = torch.randint(0, 12, (4,), generator=generator).tolist()
+        follow = [context[j] for j in picks]
+        records.append(a_record(record_id=f"c{i}", context=tuple(context), draft=tuple(follow[:3]), accepted=3,
+                                target_ids=tuple((t,) for t in follow), target_probs=((1.0,),) * 4))
+    return records
+
+
+def test_the_online_learner_learns_the_copy_weight(zoo_base):
+    """On a copying target the weight grows from 0 and the drafter fits the target better than
+    the same learner without the term does (the term narrows the choice to the window's ~12
+    tokens, it cannot tell which one: agreement ~1/12 against ~1/45); what is published serves
+    the same network."""
+    train, held_out = copy_records(40), copy_records(20, seed=1)
+    config = OnlineConfig(algorithm="ogd", lr=0.01, supervision="argmax")
+    plain, copying = OnlineDrafterLearner(zoo_base, config), OnlineDrafterLearner(zoo_base, dataclasses.replace(config, copy_window=16))
+    for record in train:
+        plain.step(plain.batch([record]))
+        copying.step(copying.batch([record]))
+    weight = float(copying.members[0].copy_weight.detach()) * copying.config.copy_scale
+    assert weight > 1.0, weight
+    with_copy, without = evaluate(copying.members[0], held_out), evaluate(plain.members[0], held_out)
+    assert with_copy.loss < without.loss - 1.0 and with_copy.agreement > 3 * without.agreement, (with_copy, without)
+    tensors, metadata = copying.serving_tensors()
+    assert metadata["copy_window"] == 16 and metadata["copy_weights"] == [pytest.approx(weight, abs=1e-3)]
+    served = build_served_model(zoo_base, tensors, metadata)
+    assert served.config.copy_window == 16
+    assert evaluate(served, held_out).loss == pytest.approx(with_copy.loss, rel=1e-5)
+    # Checkpoints carry it; a version without the term loads with weight 0; the reverse is refused.
+    restored = OnlineDrafterLearner(zoo_base, copying.config)
+    restored.load_state_dict(copying.state_dict())
+    assert torch.equal(restored.members[0].copy_weight, copying.members[0].copy_weight)
+    restored.load_serving_tensors(plain.serving_tensors()[0])
+    assert restored.members[0].copy_weight.tolist() == [0.0]
+    with pytest.raises(InvalidArgument, match="copy"):
+        OnlineDrafterLearner(zoo_base, config).load_serving_tensors(tensors)
+
+
+@pytest.mark.parametrize("hedge", [False, True])
+def test_a_copying_drafter_is_lossless(hedge, zoo_base, stream_records, verifier, prompts, greedy_reference, target_lm):
+    """A large copy weight changes what is proposed, never what is output."""
+    config = OnlineConfig(algorithm="hedge" if hedge else "ogd", lr=0.05, hedge_lrs=(0.02, 0.1), copy_window=8, copy_scale=10.0)
+    learner = OnlineDrafterLearner(zoo_base, config)
+    for record in stream_records[:6]:
+        learner.step(learner.batch([record]))
+    for member in learner.members:
+        with torch.no_grad():
+            member.copy_weight.fill_(0.4)  # 4 logits on recent tokens
+    tensors, metadata = learner.serving_tensors()
+    drafter = ZooDrafter("copy", build_served_model(zoo_base, tensors, metadata), {"target_tokenizer_fingerprint": "x"})
+    plain = ZooDrafter("plain", zoo_base, {"target_tokenizer_fingerprint": "x"})
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    differs = 0
+    for n, prompt in enumerate(prompts[:3]):
+        result = speculative_generate(prompt, session_id=f"copy{n}", drafters={"copy": drafter}, chooser=FixedChooser("copy"),
+                                      verifier=verifier, params=params, k=4)
+        assert result.token_ids == greedy_reference(target_lm[0], prompt, 16)
+        reference = speculative_generate(prompt, session_id=f"plain{n}", drafters={"plain": plain}, chooser=FixedChooser("plain"),
+                                         verifier=verifier, params=params, k=4)
+        differs += [r.accepted for r in result.rounds] != [r.accepted for r in reference.rounds]
+        drafter.release(f"copy{n}")
+        plain.release(f"plain{n}")
+    assert differs > 0  # the term really changed the drafts
