@@ -35,6 +35,11 @@ prompt's records (``--epochs 2``) 1.491, at twice the learner time; batches of 2
 ``--rehearse`` (extra steps on earlier prompts' records) 1.493 at 1x and 1.462 at 3x, in
 ``drafted`` mode.
 
+The copy term (``"copy_window": 64``; drafters/zoo_model.py) was found here: with ``--records
+served`` it gave 1.502 (+19.1 %; frozen 1.261), and with ``"grow_vocab": 2048, "grow_min_mass":
+0.5`` as well 1.522 (+20.7 %; copy_scale 50: 1.518, 400 without growth: 1.464). Those runs used a
+monkeypatched prototype of the same arithmetic (git history: scripts/copy_term_replay.py).
+
 It prints the mean accepted length on the first third, the last third and overall.
 """
 
