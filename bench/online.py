@@ -322,6 +322,10 @@ def add_process_arguments(parser) -> None:
                              "Redis at this URL, during its system's requests only: tokens/s is then net of learning")
     parser.add_argument("--learner-nice", type=int, default=10, help="with --learner-process: the learners' nice value (default 10)")
     parser.add_argument("--learner-threads", type=int, default=1, help="with --learner-process: torch threads per learner (default 1)")
+    parser.add_argument("--learner-idle", action="store_true",
+                        help="with --learner-process: run the learners under SCHED_IDLE (Linux; as `chrt --idle 0 "
+                             "specpool learner` would): any waking serving thread preempts them at once, so they use "
+                             "only cycles serving leaves idle")
     parser.add_argument("--publish-every", type=int, default=32,
                         help="with --learner-process: records between published versions (default 32)")
 
@@ -384,7 +388,8 @@ def command_line(args: argparse.Namespace) -> str:
         "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
-           str(args.learner_threads), "--publish-every", str(args.publish_every)] if args.learner_process else []), *(["--target", args.target] if args.target else []),
+           str(args.learner_threads), "--publish-every", str(args.publish_every),
+           *(["--learner-idle"] if args.learner_idle else [])] if args.learner_process else []), *(["--target", args.target] if args.target else []),
         "--forgetting-prompts", args.forgetting_prompts, "--forgetting-per-category", str(args.forgetting_per_category),
         *(["--forgetting-categories", args.forgetting_categories] if args.forgetting_categories else []),
         *(["--forgetting-only"] if args.forgetting_only else []),
@@ -451,6 +456,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         grow_vocab=args.grow_vocab, copy_window=args.copy_window,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
+        learner_idle=args.learner_idle,
         publish_every=args.publish_every,
         target=args.target, device=args.device, dtype=args.dtype, via_specpool=True,
         forgetting_prompts=args.forgetting_prompts, forgetting_per_category=args.forgetting_per_category,
@@ -499,11 +505,13 @@ class LearnerProcess:
                    PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.log_path = log_path
         self._log = log_path.open("w")
-        nice = args.learner_nice
+        nice, idle = args.learner_nice, args.learner_idle
 
         def setup() -> None:  # in the child, before exec
             if nice:
                 os.nice(nice)
+            if idle:  # a nice value still lets the learner hold a core until the scheduler's next tick
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             _die_with_parent()
 
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=setup)
@@ -618,7 +626,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         "drafter": args.drafter, "k": args.k, "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
         "prompts": len(prompts), "corpus": args.corpus,
         "learner": ("separate processes, each running only while its system serves (tokens/s is net of learning; "
-                    f"nice {args.learner_nice}, {args.learner_threads} torch thread(s), a version every "
+                    f"nice {args.learner_nice}{', SCHED_IDLE' if args.learner_idle else ''}, {args.learner_threads} torch thread(s), a version every "
                     f"{args.publish_every} records)" if process_mode else
                     "concurrent threads" if args.concurrent else "between requests (learner_s, not in tokens/s)"),
     }

@@ -227,12 +227,14 @@ def test_bench_learner_process_is_paused_between_its_requests_and_learns_while_r
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in _prompt_texts()[:10]]
     parser = argparse.ArgumentParser()
     add_online_arguments(parser)
-    args = parser.parse_args(["--drafter", zoo, "--learner-process", URL, "--publish-every", "4", "--lr", "0.01"])
+    args = parser.parse_args(["--drafter", zoo, "--learner-process", URL, "--publish-every", "4", "--lr", "0.01",
+                              "--learner-idle"])
     store = tmp_path / "store"
     key = VariantKey("bench", zoo)
     learner = LearnerProcess("optimistic", args, stream_key, str(store), str(target), tmp_path / "learner.log", home)
     try:
         learner.wait_ready()
+        assert os.sched_getscheduler(learner.process.pid) == os.SCHED_IDLE  # --learner-idle
         learner.pause()
         assert learner.state() == "T" == _proc_state(learner.process.pid)  # stopped: no CPU taken from others
         # Feedback arrives while it is paused: nothing is read, nothing learnt, no CPU used.
