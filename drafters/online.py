@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.feedback import FeedbackRecord
-from drafters.zoo_model import KVCache, ZooConfig, ZooLM, ZooOutput
+from drafters.zoo_model import KVCache, ZooConfig, ZooLM, ZooOutput, vocabulary_index
 from drafters.zoo_train import distillation_loss
 from router.errors import InvalidArgument, ModelUnavailable
 
@@ -208,9 +208,7 @@ class FeedbackBatch:
 def vocab_map_for(model: nn.Module) -> torch.Tensor:
     """(V,) full token id -> reduced-vocabulary index, -1 where the drafter (a ZooLM or a
     ZooEnsembleLM) cannot propose it."""
-    vocab_map = torch.full((model.vocab_size,), -1, dtype=torch.long)
-    vocab_map[model.vocab_ids.cpu()] = torch.arange(len(model.vocab_ids))
-    return vocab_map
+    return vocabulary_index(model.vocab_ids.cpu(), model.vocab_size) - 1
 
 
 def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus: bool = True,
@@ -306,7 +304,7 @@ class ZooEnsembleLM(nn.Module):
 
 def with_copy_term(config: ZooConfig, window: int, scale: float) -> ZooConfig:
     """``config`` with a copy term of ``window`` and ``scale`` (``window`` 0: without one)."""
-    return replace(config, copy_window=int(window), copy_scale=float(scale) if window else config.copy_scale)
+    return replace(config, copy_window=int(window), copy_scale=float(scale))
 
 
 def load_own_state(model: ZooLM, state: dict[str, torch.Tensor]) -> None:

@@ -78,14 +78,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin  # (B, H, T, D)
 
 
+def vocabulary_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(V,) full token id -> 1 + its index in ``vocab_ids`` (a reduced vocabulary), 0 outside it."""
+    index = torch.zeros(vocab_size, dtype=torch.long, device=vocab_ids.device)
+    index[vocab_ids] = torch.arange(1, len(vocab_ids) + 1, device=vocab_ids.device)
+    return index
+
+
 class KVCache:
-    """Keys and values per layer, grown by concatenation, cropped for rollback; and the token ids
-    they were computed from (the copy term looks back over them)."""
+    """Keys and values per layer, grown by concatenation, cropped for rollback; and, for a drafter
+    with a copy term (which looks back over them), the token ids they were computed from."""
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.tokens: torch.Tensor | None = None  # (B, T_all)
+        self.tokens: torch.Tensor | None = None  # (B, T_all); None without a copy term
 
     def append_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Record ``input_ids`` (B, T) as fed after the cached ones; returns all ids (B, T_all)."""
@@ -215,7 +222,7 @@ class ZooLM(nn.Module):
         """Final hidden states (B, T, d) for ``input_ids`` (B, T), continuing ``cache``."""
         past = cache.get_seq_length() if cache is not None else 0
         T = input_ids.shape[1]
-        if cache is not None:
+        if cache is not None and self.config.copy_window:  # only the copy term reads them
             cache.append_tokens(input_ids)
         x = F.embedding(input_ids, self.embedding)  # (B, T, d)
         cos, sin = rope_tables(self.config, torch.arange(past, past + T, device=x.device))
@@ -229,11 +236,9 @@ class ZooLM(nn.Module):
         return F.linear(hidden, self.head_weight(), self.head_bias)
 
     def reduced_index(self) -> torch.Tensor:
-        """(V,) full token id -> 1 + its reduced-vocabulary index, 0 outside the vocabulary."""
+        """``vocabulary_index`` of this drafter, kept until its vocabulary changes."""
         if self._reduced_index is None or self._reduced_index.device != self.vocab_ids.device:
-            index = torch.zeros(self.vocab_size, dtype=torch.long, device=self.vocab_ids.device)
-            index[self.vocab_ids] = torch.arange(1, len(self.vocab_ids) + 1, device=self.vocab_ids.device)
-            self._reduced_index = index
+            self._reduced_index = vocabulary_index(self.vocab_ids, self.vocab_size)
         return self._reduced_index
 
     def copy_windows(self, history: torch.Tensor) -> torch.Tensor:
