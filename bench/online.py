@@ -304,6 +304,10 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
     parser.add_argument("--copy-window", type=int, default=online.copy_window,
                         help=f"the learners' copy term: inputs looked back over, 0 = none (default {online.copy_window})")
+    parser.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=online.merge_records,
+                        help=f"the learners fit a session's records that line up as one sequence (default {online.merge_records})")
+    parser.add_argument("--detach-context", action=argparse.BooleanOptionalAction, default=online.detach_context,
+                        help=f"the learners backpropagate through the draft positions only (default {online.detach_context})")
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
     parser.add_argument("--supervision", choices=SUPERVISION, default=online.supervision,
                         help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {online.supervision})")
@@ -385,7 +389,9 @@ def command_line(args: argparse.Namespace) -> str:
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--supervision", args.supervision, "--context-tail", str(args.context_tail), "--precondition", args.precondition,
-        "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), "--out", args.out,
+        "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
+        "--merge-records" if args.merge_records else "--no-merge-records",
+        "--detach-context" if args.detach_context else "--no-detach-context", "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
            str(args.learner_threads), "--publish-every", str(args.publish_every),
@@ -427,6 +433,10 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--copy-window", type=int, default=d["copy_window"],
                        help=f"the learners' copy term: inputs looked back over, 0 = none (default {d['copy_window']})")
+    group.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=d["merge_records"],
+                       help=f"the learners fit a session's records that line up as one sequence (default {d['merge_records']})")
+    group.add_argument("--detach-context", action=argparse.BooleanOptionalAction, default=d["detach_context"],
+                       help=f"the learners backpropagate through the draft positions only (default {d['detach_context']})")
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
     from drafters.online import SUPERVISION
@@ -454,6 +464,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         lr=args.lr, hedge_lrs=args.hedge_lrs, precondition=args.precondition, batch_records=args.batch_records,
         supervision=args.supervision, context_tail=args.context_tail,
         grow_vocab=args.grow_vocab, copy_window=args.copy_window,
+        merge_records=args.merge_records, detach_context=args.detach_context,
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
         learner_idle=args.learner_idle,
@@ -496,7 +507,10 @@ class LearnerProcess:
         command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
-                   "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
+                   "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
+                   "--merge-records" if args.merge_records else "--no-merge-records",
+                   "--detach-context" if args.detach_context else "--no-detach-context",
+                   "--batch-records", str(args.batch_records), "--supervision", args.supervision,
                    "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)
@@ -635,6 +649,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
                           batch_records=args.batch_records, context_tail=args.context_tail, drafters=(args.drafter,), read_block_s=0.01,
                           online=OnlineConfig(lr=args.lr, hedge_lrs=hedge_lrs, precondition=args.precondition,
                                               grow_vocab=args.grow_vocab, copy_window=args.copy_window,
+                                              merge_records=args.merge_records, detach_context=args.detach_context,
                                               supervision=args.supervision))
     learnings: dict[str, EmbeddedLearning | None] = {}
     processes: dict[str, LearnerProcess] = {}

@@ -75,6 +75,10 @@ class FeedbackRecord:
     target_ids: tuple[tuple[int, ...], ...]  # (k+1, K) token ids
     target_probs: tuple[tuple[float, ...], ...]  # (k+1, K) their probabilities
     created: float = 0.0  # unix time of the round
+    # The session's tokens before the first draft token (the whole context's length; ``context``
+    # is its tail). A session's records line up by it, so the learner can fit several of them as
+    # one sequence (drafters/online.py, make_batch). None: not known (records of older servers).
+    position: int | None = None
 
     @property
     def positions(self) -> int:
@@ -88,7 +92,7 @@ class FeedbackRecord:
                 "drafter": self.drafter, "version": self.version, "context": list(self.context),
                 "draft": list(self.draft), "accepted": self.accepted,
                 "p_ids": [list(r) for r in self.target_ids], "p": [list(r) for r in self.target_probs],
-                "t": self.created,
+                "t": self.created, **({"pos": self.position} if self.position is not None else {}),
             },
             separators=(",", ":"),
         ).encode()
@@ -163,8 +167,12 @@ def _from_dict(data, limits: FeedbackLimits, vocab_size: int | None) -> Feedback
         rows_p.append(probs)
     created = data.get("t", 0.0)
     _require(type(created) in (int, float) and math.isfinite(created), "malformed", "bad time")
+    position = data.get("pos")
+    if position is not None:
+        _require(_int(position, "pos") >= len(context), "out_of_range",
+                 f"pos {position} is shorter than the context tail ({len(context)} tokens)")
     return FeedbackRecord(record_id, tenant, session, drafter, version, context, draft, accepted,
-                          tuple(rows_ids), tuple(rows_p), float(created))
+                          tuple(rows_ids), tuple(rows_p), float(created), position)
 
 
 def record_from_round(fb: RoundFeedback, tenant: str, version: int, context_tail: int = 64,
@@ -186,6 +194,7 @@ def record_from_round(fb: RoundFeedback, tenant: str, version: int, context_tail
         # 6 decimals: the payload stays small and the loss does not notice.
         target_probs=tuple(tuple(round(v, 6) for v in r.probs.tolist()) for r in rows),
         created=time.time(),
+        position=len(fb.context_ids),
     )
 
 

@@ -107,6 +107,26 @@ class OnlineConfig:
     # Shakespeare replay 50 and 100 did equally well, 400 overshot).
     copy_window: int = 0
     copy_scale: float = 100.0
+    # Which transformer blocks learn: None = all; n = only the last n (0: none, so only the output
+    # bias, the final norm and the copy weight do). Gradients then stop at the lowest trained
+    # block, so a step costs a forward and a short backward instead of a backward through every
+    # block: what a learner sharing cores with serving needs (bench/online.py --learner-process).
+    trainable_blocks: int | None = None
+    # The learner's cost (it shares the serving machine): replaying the Tiny Shakespeare stream as
+    # served (scripts/online_replay.py --records served --confidence 0.4; argmax supervision, copy
+    # window 64, vocabulary growth 2048), the last third's mean accepted length / learner seconds
+    # per prompt were 1.522 / 0.75 with neither, 1.516 / 0.39 with both, 1.510 / 0.26 with both
+    # and 8 records per step (frozen: 1.261).
+    # True: a step fits the records of one session that line up (FeedbackRecord.position) as one
+    # sequence (make_batch): successive records share most of their context, so four fit in
+    # about a third of the tokens. Rows after a rejected draft token, off the session's path, are
+    # left out but for the last record's (fitting on-path rows alone did as well in the replay).
+    # False: every record is its own sequence, all rows kept.
+    merge_records: bool = True
+    # True: a step computes the context (up to the first supervised position) without gradients,
+    # as a KV cache, and backpropagates through the rest only. The gradient leaves out the
+    # weights' effect on the context's keys and values (truncated backpropagation).
+    detach_context: bool = True
 
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -124,6 +144,8 @@ class OnlineConfig:
             raise InvalidArgument("grow_vocab must be >= 0, grow_min_mass > 0 and 0 <= grow_bias_quantile <= 1")
         if self.copy_window < 0 or not (math.isfinite(self.copy_scale) and self.copy_scale > 0):
             raise InvalidArgument(f"copy_window must be >= 0 and copy_scale > 0, got {self.copy_window} and {self.copy_scale}")
+        if self.trainable_blocks is not None and self.trainable_blocks < 0:
+            raise InvalidArgument(f"trainable_blocks must be >= 0 (or None: all), got {self.trainable_blocks}")
         if self.clip_norm <= 0 or self.hedge_eta < 0 or not 0 <= self.hedge_share < 1 or self.loss_cap <= 0:
             raise InvalidArgument("clip_norm and loss_cap must be > 0, hedge_eta >= 0, 0 <= hedge_share < 1")
 
@@ -134,8 +156,7 @@ class OnlineConfig:
 def ogd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> None:
     """w <- w - lr * g, in place."""
     with torch.no_grad():
-        for p, g in zip(params, grads):
-            p.sub_(g, alpha=lr)
+        torch._foreach_add_(list(params), list(grads), alpha=-lr)
 
 
 def optimistic_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -152,19 +173,26 @@ def optimistic_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 def clip_grads(grads: Sequence[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     """The gradients scaled to at most ``max_norm`` global L2 norm (non-finite ones zeroed)."""
     grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    # (torch._foreach_*: one call over all tensors; a step's elementwise work is a good part of
+    # a small drafter's learning cost.)
+    norm = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads))) if grads else 0.0
     scale = min(1.0, max_norm / (norm + 1e-12))
-    return [g * scale for g in grads] if scale < 1.0 else grads
+    if scale < 1.0:
+        torch._foreach_mul_(grads, scale)  # the nan_to_num copies are ours to scale
+    return grads
 
 
 def adagrad_scale(grads: Sequence[torch.Tensor], accumulated: list[torch.Tensor] | None,
                   eps: float = 1e-8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Diagonal AdaGrad: G <- G + g^2, g <- g / (sqrt(G) + eps). Returns (scaled gradients, new G);
     ``accumulated`` None starts from G = 0."""
+    grads = list(grads)
     if accumulated is None:
         accumulated = [torch.zeros_like(g) for g in grads]
-    new = [a + g * g for a, g in zip(accumulated, grads)]
-    return [g / (a.sqrt() + eps) for g, a in zip(grads, new)], new
+    new = list(torch._foreach_addcmul(accumulated, grads, grads))  # G + g^2, new tensors (G is not changed)
+    denominators = torch._foreach_sqrt(new)
+    torch._foreach_add_(denominators, eps)
+    return list(torch._foreach_div(grads, denominators)), new
 
 
 def hedge_update(weights: torch.Tensor, losses: torch.Tensor, eta: float, share: float = 0.0) -> torch.Tensor:
@@ -211,23 +239,89 @@ def vocab_map_for(model: nn.Module) -> torch.Tensor:
     return vocabulary_index(model.vocab_ids.cpu(), model.vocab_size) - 1
 
 
+def _rows(record, bonus: bool) -> int:
+    return len(record.target_ids) if bonus else len(record.draft)
+
+
+def batch_sequences(records: Sequence[FeedbackRecord], bonus: bool = True,
+                    merge: bool = False) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
+    """The token sequences a batch fits: [(tokens, [(t, record index, row j)])], row j of the
+    record's target p sitting at position t (its logits predict the token after t).
+
+    Unmerged, each record is one sequence, context + draft. ``merge`` joins the records of one
+    session whose positions (``FeedbackRecord.position``) line up - each one's context continuing
+    the previous ones' tokens - into one sequence: the first one's context, the later contexts'
+    new tokens, and the last one's draft. A record's rows whose draft prefix is the sequence (its
+    accepted tokens and the target's next) keep their place in it; the rows after a rejected
+    draft token (off the session's path) are dropped, except the last record's. Successive
+    records of a session share most of their context, so four of them fit in about a quarter of
+    the tokens: that is the learner's cost. Records without a position stay on their own."""
+    singles, sessions = [], {}
+    for i, r in enumerate(records):
+        if merge and getattr(r, "position", None) is not None:
+            sessions.setdefault((r.tenant, r.session), []).append(i)
+        else:
+            singles.append([i])
+    chains: list[list[int]] = []
+    for members in sessions.values():
+        members.sort(key=lambda i: records[i].position)
+        chain, tokens, start = [], [], 0
+        for i in members:
+            r = records[i]
+            r_start = r.position - len(r.context)
+            end = start + len(tokens)
+            if chain and start <= r_start <= end <= r.position and tokens[r_start - start:] == list(r.context[: end - r_start]):
+                tokens.extend(r.context[end - r_start:])
+                chain.append(i)
+                continue
+            if chain:
+                chains.append(chain)
+            chain, tokens, start = [i], list(r.context), r_start
+        if chain:
+            chains.append(chain)
+    out = []
+    for chain in chains + singles:
+        first, last = records[chain[0]], records[chain[-1]]
+        start = getattr(first, "position", None)
+        start = (start - len(first.context)) if len(chain) > 1 else 0
+        tokens = list(first.context)
+        for i in chain[1:]:  # the chain's contexts, then the last draft
+            r = records[i]
+            have = start + len(tokens)
+            tokens.extend(r.context[have - (r.position - len(r.context)):])
+        tokens.extend(last.draft)
+        rows, taken = [], set()
+        for i in chain:
+            r = records[i]
+            at = (r.position - start) if len(chain) > 1 else len(r.context)  # the first draft token's index
+            for j in range(_rows(r, bonus)):
+                t = at - 1 + j
+                if i != chain[-1] and (tokens[at: at + j] != list(r.draft[:j]) or at + j > len(tokens)):
+                    break  # off the path from here on
+                if t not in taken:
+                    taken.add(t)
+                    rows.append((t, i, j))
+        out.append((tokens, rows))
+    return out
+
+
 def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus: bool = True,
-               argmax: bool = False) -> FeedbackBatch:
+               argmax: bool = False, merge: bool = False) -> FeedbackBatch:
     """Records as one padded batch. Logits at position t predict token t+1, so the target's row j
     (the token after context + draft[:j]) sits at t = len(context) - 1 + j. ``bonus`` False
     leaves out the last row (BD is defined over the k draft positions only). ``argmax`` keeps
-    only each row's most likely token, with p = 1 (hard labels; K = 1)."""
-    length = max(len(r.context) + len(r.draft) for r in records)
+    only each row's most likely token, with p = 1 (hard labels; K = 1). ``merge``: a session's
+    records that line up share one sequence (``batch_sequences``)."""
+    sequences = batch_sequences(records, bonus, merge)
+    length = max(len(tokens) for tokens, _ in sequences)
     width = 1 if argmax else max(len(row) for r in records for row in r.target_ids)
-    inputs = torch.zeros(len(records), length, dtype=torch.long)
-    ids = torch.full((len(records), length, width), -1, dtype=torch.long)
-    probs = torch.zeros(len(records), length, width)
-    for b, r in enumerate(records):
-        seq = r.context + r.draft
-        inputs[b, : len(seq)] = torch.tensor(seq)
-        rows = len(r.target_ids) if bonus else len(r.draft)
-        for j in range(rows):
-            t = len(r.context) - 1 + j
+    inputs = torch.zeros(len(sequences), length, dtype=torch.long)
+    ids = torch.full((len(sequences), length, width), -1, dtype=torch.long)
+    probs = torch.zeros(len(sequences), length, width)
+    for b, (tokens, rows) in enumerate(sequences):
+        inputs[b, : len(tokens)] = torch.tensor(tokens)
+        for t, i, j in rows:
+            r = records[i]
             row, p = torch.tensor(r.target_ids[j]), torch.tensor(r.target_probs[j])
             if argmax and len(row):
                 top = int(p.argmax())
@@ -327,6 +421,16 @@ def clone_zoo(base: ZooLM, copy_window: int | None = None, copy_scale: float = 1
         state.pop("copy_weight", None)
     load_own_state(model, state)
     return model.to(base.device)
+
+
+def freeze_lower_blocks(model: ZooLM, trainable_blocks: int | None) -> None:
+    """Keep only the last ``trainable_blocks`` blocks trainable (None: all of them); the output
+    bias, the final norm and the copy weight always are."""
+    if trainable_blocks is None:
+        return
+    frozen = len(model.blocks) - min(trainable_blocks, len(model.blocks))
+    for block in list(model.blocks)[:frozen]:
+        block.requires_grad_(False)
 
 
 def _own_state(model: ZooLM) -> dict[str, torch.Tensor]:
@@ -466,6 +570,8 @@ class OnlineDrafterLearner:
         self.lrs = tuple(float(x) for x in lrs)
         self.update_rule = config.hedge_member if config.algorithm == "hedge" else config.algorithm
         self.members = [clone_zoo(base, config.copy_window, config.copy_scale) for _ in self.lrs]
+        for member in self.members:
+            freeze_lower_blocks(member, config.trainable_blocks)
         self.weights = torch.full((len(self.lrs),), 1.0 / len(self.lrs))  # Hedge weights (M,)
         self.previous: list[list[torch.Tensor] | None] = [None] * len(self.lrs)  # optimistic hints
         self.accumulated: list[list[torch.Tensor] | None] = [None] * len(self.lrs)  # AdaGrad's G
@@ -482,7 +588,8 @@ class OnlineDrafterLearner:
     def batch(self, records: Sequence[FeedbackRecord]) -> FeedbackBatch:
         """``records`` as a training batch, after letting them grow the vocabulary."""
         self.observe(records)
-        return make_batch(records, self.vocab_map, argmax=self.config.supervision == "argmax")
+        return make_batch(records, self.vocab_map, argmax=self.config.supervision == "argmax",
+                          merge=self.config.merge_records)
 
     def observe(self, records: Sequence[FeedbackRecord]) -> torch.Tensor:
         """Add the target's p on outside tokens to their sums; the tokens whose sum reaches
@@ -542,10 +649,13 @@ class OnlineDrafterLearner:
         if batch.positions == 0:
             return None
         ids, probs = batch.ids[batch.mask], batch.probs[batch.mask]  # (N, K)
+        # The first supervised position of any record: everything before it is context.
+        detach_before = int(batch.mask.float().argmax(1)[batch.mask.any(1)].min()) if self.config.detach_context else 0
         member_losses, served_logits = [], []
         for i, (member, lr) in enumerate(zip(self.members, self.lrs)):
             params = self._params(member)
-            logits = member.logits_at(batch.inputs.to(member.device), batch.mask.to(member.device))  # (N, V_r)
+            logits = member.logits_at(batch.inputs.to(member.device), batch.mask.to(member.device),
+                                      detach_before)  # (N, V_r)
             loss = distillation_loss(logits, ids.to(logits.device), probs.to(logits.device))
             grads = clip_grads(torch.autograd.grad(loss, params), self.config.clip_norm)
             if self.config.precondition == "adagrad":

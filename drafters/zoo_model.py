@@ -253,11 +253,24 @@ class ZooLM(nn.Module):
         present.scatter_(-1, windows, 1.0)  # column 0 gathers tokens outside the vocabulary
         return logits + (self.config.copy_scale * self.copy_weight).to(logits.dtype) * present[..., 1:]
 
-    def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        """Reduced-vocabulary logits (N, V_r) at the positions ``where`` (B, T) marks, without a
-        cache: the output head (most of a 2-layer drafter's cost) runs at those positions only.
-        The online learner trains through this (with the copy term when there is one)."""
-        logits = self.reduced_logits(self.hidden(input_ids)[where])
+    def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor, detach_before: int = 0) -> torch.Tensor:
+        """Reduced-vocabulary logits (N, V_r) at the positions ``where`` (B, T) marks: the output
+        head (most of a 2-layer drafter's cost) runs at those positions only. The online learner
+        trains through this (with the copy term when there is one). ``detach_before`` t > 0: the
+        first t positions run without autograd, into a KV cache the rest attend to, so gradients
+        flow through positions t.. only (their keys and values are constants to the loss); no
+        position before t may be marked."""
+        if detach_before > 0:
+            if bool(where[:, :detach_before].any()):
+                raise ValueError(f"positions before detach_before={detach_before} are marked")
+            cache = self.new_cache()
+            with torch.no_grad():
+                self.hidden(input_ids[:, :detach_before], cache)
+            hidden = self.hidden(input_ids[:, detach_before:], cache)
+            where_after = where[:, detach_before:]
+            logits = self.reduced_logits(hidden[where_after])
+        else:
+            logits = self.reduced_logits(self.hidden(input_ids)[where])
         if self.config.copy_window:
             logits = self.copy_logits(logits, self.copy_windows(input_ids)[where])
         return logits

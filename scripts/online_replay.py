@@ -151,10 +151,11 @@ def off_path_rows(target, item: dict, rounds: list[tuple[int, int]], rejected: l
 
 
 def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch.Tensor,
-           context_tail: int = CONTEXT_TAIL, accepted: int | None = None) -> SimpleNamespace:
+           context_tail: int = CONTEXT_TAIL, accepted: int | None = None, session: str = "s") -> SimpleNamespace:
     """What make_batch reads of a FeedbackRecord: rows j = 0..len(draft) are p after context + draft[:j]
     (``accepted`` None: every draft token is on the target's path)."""
-    return SimpleNamespace(context=tuple(context[-context_tail:]), draft=tuple(draft),
+    return SimpleNamespace(context=tuple(context[-context_tail:]), draft=tuple(draft), position=len(context),
+                           tenant="replay", session=session,
                            accepted=len(draft) if accepted is None else accepted,
                            target_ids=tuple(map(tuple, ids.tolist())), target_probs=tuple(map(tuple, probs.tolist())))
 
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
                 draft, accepted = item["output"][t:t + width], width
                 rows = item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]
             if counted % HOLDOUT_EVERY:
-                records.append(record(full[: len(item["prompt"]) + t], draft, *rows, args.context_tail, accepted))
+                records.append(record(full[: len(item["prompt"]) + t], draft, *rows, args.context_tail, accepted,
+                                      session=str(len(per_prompt))))
         if args.prefill:  # the target's p on the prompt itself, in chunks of 32 positions
             prompt = item["prompt"]
             for s in range(1, len(prompt) - 1, 32):

@@ -56,6 +56,18 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
     group.add_argument(*names("--learn-copy-window", "--copy-window"), dest="learn_copy_window", type=int, default=None, metavar="N",
                        help="give the learnt drafters a copy term: a learned weight on the tokens of the last N "
                             f"inputs, starting at 0 (default {online.copy_window}: none; 64 helped on prose)")
+    group.add_argument(*names("--learn-merge-records", "--merge-records"), dest="learn_merge_records",
+                       action=argparse.BooleanOptionalAction, default=None,
+                       help="fit the feedback records of one session that line up as one sequence (they share "
+                            f"most of their context: the learner's cost drops several-fold) (default {online.merge_records})")
+    group.add_argument(*names("--learn-detach-context", "--detach-context"), dest="learn_detach_context",
+                       action=argparse.BooleanOptionalAction, default=None,
+                       help="backpropagate through the draft positions only, the context being a KV cache "
+                            f"computed without gradients (cheaper steps) (default {online.detach_context})")
+    group.add_argument(*names("--learn-trainable-blocks", "--trainable-blocks"), dest="learn_trainable_blocks", type=int,
+                       default=None, metavar="N",
+                       help="train only the last N transformer blocks of a drafter (with its output bias and final "
+                            "norm; 0: those alone) (default: every block)")
     group.add_argument(*names("--learn-supervision", "--supervision"), dest="learn_supervision", default=None,
                        choices=SUPERVISION,
                        help="what drafters are fit to: distribution (the target's top-K p; right for sampled "
@@ -106,6 +118,9 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online = replace(online, supervision=args.learn_supervision)
     if getattr(args, "learn_copy_window", None) is not None:
         online = replace(online, copy_window=args.learn_copy_window)
+    for option in ("merge_records", "detach_context", "trainable_blocks"):
+        if getattr(args, f"learn_{option}", None) is not None:
+            online = replace(online, **{option: getattr(args, f"learn_{option}")})
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")

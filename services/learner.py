@@ -101,9 +101,19 @@ def checkpoint_conflict(online: OnlineConfig, state: dict | None, key: VariantKe
     if state is None:
         return None
     learner = state.get("learner") or {}
-    saved = (learner.get("config") or {}).get("algorithm")
+    saved_config = learner.get("config") or {}
+    saved = saved_config.get("algorithm")
     saved_members = len(learner.get("members") or ())
     members = len(online.hedge_lrs) if online.algorithm == "hedge" else 1
+    saved_blocks = saved_config.get("trainable_blocks")
+    if saved == online.algorithm and saved_members == members and saved_blocks != online.trainable_blocks:
+        # The optimiser state (AdaGrad sums, optimistic hints) holds one tensor per trained parameter.
+        def blocks(n: int | None) -> str:
+            return "every block" if n is None else f"the last {n} block(s)"
+
+        return (f"the learner checkpoint of {key.scope}/{key.drafter} in the model store {where} trained "
+                f"{blocks(saved_blocks)}, not {blocks(online.trainable_blocks)}; learn on with the setting it was "
+                "trained with, or use another model store")
     if saved == online.algorithm and saved_members == members:
         return None
     def plural(n: int) -> str:

@@ -289,23 +289,27 @@ def test_learner_short_and_long_option_names_agree():
     short = parser.parse_args(["learner", "--algo", "hedge", "--store", "/s", "--lr", "0.2", "--hedge-lrs", "0.1,1",
                                "--opt-out", "x", "--budget-records", "7", "--budget-tokens", "9", "--shared",
                                "--publish-every", "3", "--precondition", "none", "--supervision", "argmax",
-                               "--copy-window", "32"])
+                               "--copy-window", "32", "--merge-records", "--no-detach-context", "--trainable-blocks", "1"])
     long = parser.parse_args(["learner", "--learn-algorithm", "hedge", "--learn-store", "/s", "--learn-lr", "0.2",
                               "--learn-hedge-lrs", "0.1,1", "--learn-opt-out", "x", "--learn-budget-records", "7",
                               "--learn-budget-tokens", "9", "--learn-shared", "--learn-publish-every", "3",
-                              "--learn-precondition", "none", "--learn-supervision", "argmax", "--learn-copy-window", "32"])
+                              "--learn-precondition", "none", "--learn-supervision", "argmax", "--learn-copy-window", "32",
+                              "--learn-merge-records", "--no-learn-detach-context", "--learn-trainable-blocks", "1"])
     assert vars(short) == vars(long)
     from services.cli_learning import learning_config_from_args
 
     config = learning_config_from_args(short, ("chat",), claim_idle_s=5.0)
     assert (config.online.algorithm, config.online.hedge_lrs, config.online.precondition, config.online.supervision,
             config.online.copy_window, config.store, config.opt_out) == ("hedge", (0.1, 1.0), "none", "argmax", 32, "/s", frozenset({"x"}))
+    assert (config.online.merge_records, config.online.detach_context, config.online.trainable_blocks) == (True, False, 1)
     # Without the option: the library's default (AdaGrad), with its default step sizes.
     from drafters.online import OnlineConfig
 
     default = learning_config_from_args(parser.parse_args(["learner", "--algo", "ogd"]))
     assert (default.online.precondition, default.online.lr) == (OnlineConfig().precondition, OnlineConfig().lr) == ("adagrad", 0.002)
     assert default.online.copy_window == OnlineConfig().copy_window
+    for option in ("merge_records", "detach_context", "trainable_blocks"):
+        assert getattr(default.online, option) == getattr(OnlineConfig(), option)
     assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every,
             config.claim_idle_s, config.drafters) == (7, 9, True, 3, 5.0, ("chat",))
 
@@ -344,7 +348,8 @@ def test_bench_online_options_map_one_to_one():
     shared = ["--limit", "9", "--systems", "frozen,hedge", "-k", "3", "--max-new-tokens", "12", "--lr", "0.2",
               "--hedge-lrs", "0.1,0.3", "--precondition", "adagrad", "--batch-records", "2", "--concurrent",
               "--out", "o", "--target", "t", "--device", "cpu", "--forgetting-prompts", "q.jsonl",
-              "--forgetting-per-category", "3", "--forgetting-categories", "chat,qa", "--forgetting-only"]
+              "--forgetting-per-category", "3", "--forgetting-categories", "chat,qa", "--forgetting-only",
+              "--merge-records", "--no-detach-context"]
     assert bench_namespace(["--prompts", "c", "--drafters", "math", *shared]) == \
         online_namespace(["--corpus", "c", "--drafter", "math", *shared])
 

@@ -35,6 +35,7 @@ from drafters.online import (
     ogd_step,
     optimistic_step,
     sparse_tv,
+    vocab_map_for,
 )
 from drafters.zoo import ZooDrafter
 from online_helpers import target_records, tiny_zoo_model
@@ -125,7 +126,7 @@ def test_online_config_validation():
                 OnlineConfig(algorithm="hedge", hedge_lrs=()), OnlineConfig(clip_norm=0.0),
                 OnlineConfig(hedge_share=1.0), OnlineConfig(lr=float("nan")), OnlineConfig(grow_vocab=-1),
                 OnlineConfig(grow_min_mass=0.0), OnlineConfig(grow_bias_quantile=1.5),
-                OnlineConfig(supervision="hard")):
+                OnlineConfig(supervision="hard"), OnlineConfig(trainable_blocks=-1)):
         with pytest.raises(InvalidArgument):
             bad.validate()
 
@@ -232,6 +233,83 @@ def test_record_from_a_real_round_is_bounded(verifier, noisy_lm, prompts):
         assert record.target_ids[record.accepted][0] == fb.result.tokens[record.accepted]
     # Without the target's top-K there is nothing to learn from: skipped, never an error.
     assert record_from_round(dataclasses.replace(rounds[0], result=plain_result(rounds[0])), "a", 0) is None
+
+
+def session_records(verifier, noisy_lm, prompt, context_tail: int, session: str = "m") -> tuple[list[FeedbackRecord], list[int]]:
+    """The feedback records of one greedy request with the noisy drafter (which gets rejected),
+    and the request's whole token sequence."""
+    from drafters.hf_model import HFModelDrafter
+
+    stream = InProcessFeedbackStream(capacity=1000)
+    emitter = FeedbackEmitter(stream, context_tail=context_tail)
+    result = speculative_generate(prompt, session_id=session, drafters={"noisy": HFModelDrafter("noisy", *noisy_lm)},
+                                  chooser=FixedChooser("noisy"), verifier=verifier,
+                                  params=SamplingParams(temperature=0.0, max_new_tokens=24), k=4,
+                                  feedback=lambda fb: emitter(fb, "acme", 0), return_top_k=5)
+    records = [FeedbackRecord.decode(d.payload) for d in stream.read("c", 1000)]
+    return records, list(prompt) + list(result.token_ids)
+
+
+def test_records_carry_their_position_in_the_session(verifier, noisy_lm, prompts):
+    records, sequence = session_records(verifier, noisy_lm, prompts[0], context_tail=8)
+    assert records and all(r.position is not None for r in records)
+    for r in records:  # the context is the tail of the session's tokens before the draft
+        assert r.context == tuple(sequence[r.position - len(r.context): r.position])
+        assert r.draft[: r.accepted] == tuple(sequence[r.position: r.position + r.accepted])
+    assert FeedbackRecord.decode(a_record(position=40).encode()).position == 40
+    with pytest.raises(BadFeedback) as error:  # a position inside the context tail cannot be
+        FeedbackRecord.decode(a_record(position=2).encode())
+    assert error.value.reason == "out_of_range"
+
+
+def test_merged_records_are_one_sequence_with_the_same_rows_on_the_path(verifier, noisy_lm, prompts, zoo_base):
+    """One session's records merged: one sequence (the session's tokens and the last draft); each
+    record keeps its rows up to the target's correction (j <= accepted), the last one all its
+    rows; the drafter's logits at the kept rows are those of the records fitted one by one
+    (whole contexts here, so every row sees the same prefix either way)."""
+    from drafters.online import batch_sequences
+
+    records, sequence = session_records(verifier, noisy_lm, prompts[1], context_tail=256)
+    assert len(records) >= 3 and any(r.accepted < len(r.draft) for r in records[:-1])
+    [(tokens, rows)] = batch_sequences(records, merge=True)
+    last = records[-1]
+    assert tokens == sequence[: last.position] + list(last.draft)
+    kept: dict[int, list[int]] = {}
+    for t, i, j in rows:
+        kept.setdefault(i, []).append(j)
+        assert t == records[i].position - 1 + j
+    for i, r in enumerate(records):
+        assert kept[i] == list(range(len(r.target_ids) if r is last else r.accepted + 1))
+    vocab_map = vocab_map_for(zoo_base)
+    merged, single = make_batch(records, vocab_map, merge=True), make_batch(records, vocab_map)
+    assert merged.inputs.shape[0] == 1 and single.inputs.shape[0] == len(records)
+    merged_logits = zoo_base.logits_at(merged.inputs, merged.mask)
+    single_logits = zoo_base.logits_at(single.inputs, single.mask)
+    index = {}  # (record, row) -> its row in single_logits
+    for i, r in enumerate(records):
+        for j in range(len(r.target_ids)):
+            if bool(single.mask[i, len(r.context) - 1 + j]):
+                index[(i, j)] = len(index)
+    picked = [index[(i, j)] for t, i, j in sorted(rows) if bool(merged.mask[0, t])]
+    assert len(picked) == int(merged.mask.sum()) > 0
+    assert torch.allclose(merged_logits, single_logits[picked], atol=1e-4)
+    assert torch.equal(merged.ids[merged.mask], single.ids[single.mask][picked])
+
+
+def test_only_records_that_line_up_are_merged(verifier, noisy_lm, prompts):
+    from drafters.online import batch_sequences
+
+    records, _ = session_records(verifier, noisy_lm, prompts[2], context_tail=8)
+    other, _ = session_records(verifier, noisy_lm, prompts[3], context_tail=8, session="n")
+    assert len(batch_sequences(records, merge=True)) == 1  # tails of 8 still overlap (a round moves <= k + 1)
+    assert len(batch_sequences(records + other, merge=True)) == 2  # one per session
+    assert len(batch_sequences(records, merge=False)) == len(records)
+    unplaced = [dataclasses.replace(r, position=None) for r in records]
+    assert len(batch_sequences(unplaced, merge=True)) == len(records)  # no position: on its own
+    gap = [r for i, r in enumerate(records) if i != 1]  # a record missing (held out): still lined up
+    assert len(batch_sequences(gap, merge=True)) == 1
+    moved = dataclasses.replace(records[1], context=(records[1].context[0] + 1,) + records[1].context[1:])
+    assert len(batch_sequences([records[0], moved], merge=True)) == 2  # tokens disagree: two sequences
 
 
 def plain_result(fb: RoundFeedback):
@@ -381,6 +459,36 @@ def test_algorithms_lower_the_distillation_loss(name, zoo_base, stream_records):
     assert served_after.agreement > served_before.agreement
     # The base network is untouched: learning trains copies.
     assert evaluate(zoo_base, stream_records).loss == pytest.approx(served_before.loss)
+
+
+@pytest.mark.parametrize("trainable_blocks, trained", [(None, {0, 1}), (2, {0, 1}), (5, {0, 1}), (1, {1}), (0, set())])
+def test_only_the_last_trainable_blocks_learn(trainable_blocks, trained, zoo_base, stream_records):
+    """trainable_blocks n: the lower blocks stay the shipped ones; the last n, the output bias
+    and the final norm move; the loss still falls; checkpoints refuse a learner trained otherwise."""
+    config = OnlineConfig(algorithm="ogd", lr=0.05, trainable_blocks=trainable_blocks)
+    learner = OnlineDrafterLearner(zoo_base, config)
+    everything = make_batch(stream_records, learner.vocab_map)
+    before = learner.loss(everything)
+    for record in stream_records:
+        learner.step(make_batch([record], learner.vocab_map))
+    assert learner.loss(everything) < before - 0.05
+    member = learner.members[0]
+    for i, (block, shipped) in enumerate(zip(member.blocks, zoo_base.blocks)):
+        moved = any(not torch.equal(a, b) for a, b in zip(block.state_dict().values(), shipped.state_dict().values()))
+        assert moved == (i in trained), (i, trainable_blocks)
+    assert not torch.equal(member.head_bias, zoo_base.head_bias)
+    assert not torch.equal(member.norm.weight, zoo_base.norm.weight)
+    # The optimiser state holds the trained parameters only: one AdaGrad sum each.
+    assert len(learner.accumulated[0]) == sum(p.requires_grad for p in member.parameters())
+    # A checkpoint goes on only under the same setting.
+    from services.learner import checkpoint_conflict
+
+    state = {"learner": learner.state_dict()}
+    key = VariantKey("t", "chat")
+    assert checkpoint_conflict(config, state, key, "here") is None
+    other = 1 if trainable_blocks == 0 else 0
+    conflict = checkpoint_conflict(dataclasses.replace(config, trainable_blocks=other), state, key, "here")
+    assert conflict is not None and "block" in conflict
 
 
 def test_argmax_batch_keeps_each_rows_most_likely_token():
@@ -720,6 +828,38 @@ def test_copy_term_with_the_kv_cache_matches_a_full_forward(zoo_base):
     torch.testing.assert_close(first, full[6:7], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(steps), full[7:11], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(block, full[8:16], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_logits_with_a_detached_context_equal_the_full_forward(window, zoo_base):
+    """detach_before t: the same logits (the first t positions run as a KV cache), gradients only
+    through positions t.. (so none reach a block's weights from the context alone), and marking a
+    position before t is refused."""
+    model = with_copy_weight(zoo_base, window, 1.5) if window else zoo_base
+    torch.manual_seed(1)
+    inputs = torch.randint(0, 48, (2, 12))
+    where = torch.zeros(2, 12, dtype=torch.bool)
+    where[0, 7:10] = where[1, 8:12] = True
+    full = model.logits_at(inputs, where)
+    for t in (1, 5, 7):
+        assert torch.allclose(model.logits_at(inputs, where, detach_before=t), full, atol=1e-5)
+    with pytest.raises(ValueError):
+        model.logits_at(inputs, where, detach_before=8)
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="ogd", lr=0.05, detach_context=True))
+    member = learner.members[0]
+    loss = member.logits_at(inputs, where, detach_before=7).logsumexp(-1).sum()
+    grads = torch.autograd.grad(loss, [member.blocks[0].q_proj.weight, member.head_bias])
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_learning_with_a_detached_context_lowers_the_loss(zoo_base, stream_records):
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="ogd", lr=0.05, detach_context=True))
+    everything = make_batch(stream_records, learner.vocab_map)
+    before = learner.loss(everything)
+    for _ in range(2):
+        for s in range(0, len(stream_records), 3):
+            learner.step(make_batch(stream_records[s:s + 3], learner.vocab_map))
+    assert learner.loss(everything) < before - 0.2
 
 
 def copy_records(n: int, seed: int = 0) -> list[FeedbackRecord]:
