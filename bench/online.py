@@ -25,7 +25,9 @@ each system's tokens/s includes what its learner takes from serving; drafters pi
 versions between requests. The learner's CPU seconds are reported as ``learner_cpu_s``.
 
 Writes results.json (rows: system, segment = first_third | last_third | all, mean_accepted_length,
-tokens_per_s, n_prompts), per_prompt.jsonl, report.md and learning_curves.png.
+tokens_per_s, n_prompts), per_prompt.jsonl, report.md and learning_curves.png. The report also gives
+each learning system's ratios to frozen paired by prompt: the per-prompt median with its
+interquartile range, and a 95 % bootstrap interval (over prompts) of the pooled ratio.
 
 Forgetting check: after the stream, the drafter's shipped weights and each system's final learned
 version draft for the first ``--forgetting-per-category`` prompts of the drafter's own Spec-Bench
@@ -124,6 +126,64 @@ def aggregate(records: list[dict]) -> list[dict]:
                    if any("learner_cpu_s" in r for r in group) else {}),
             })
     return rows
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile of ``values`` (non-empty)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def spread(records: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """Each learning system against frozen, per segment and metric, paired by prompt: the median
+    per-prompt ratio with its interquartile range, and a 95 % bootstrap interval (prompts drawn
+    with replacement) of the pooled ratio that results.json reports."""
+    import random
+
+    n = 1 + max((r["prompt_index"] for r in records), default=-1)
+    by = {(r["system"], r["prompt_index"]): r for r in records}
+    metrics = {"mean_accepted_length": ("new_tokens", "rounds"), "tokens_per_s": ("new_tokens", "wall_s")}
+    out = []
+    for system in dict.fromkeys(r["system"] for r in records):
+        if system == "frozen":
+            continue
+        for segment in SEGMENTS:
+            prompts = [i for i in range(n) if (system, i) in by and ("frozen", i) in by
+                       and (segment == "all" or segment_of(i, n) == segment)]
+            if len(prompts) < 2:
+                continue
+            for metric, (num, den) in metrics.items():
+                def pooled(sample: list[int], who: str) -> float:
+                    return sum(by[(who, i)][num] for i in sample) / max(sum(by[(who, i)][den] for i in sample), 1e-9)
+
+                def ratio(sample: list[int]) -> float:
+                    base = pooled(sample, "frozen")
+                    return pooled(sample, system) / base if base else float("nan")
+
+                per_prompt = [ratio([i]) for i in prompts]
+                rng = random.Random(seed)
+                boot = [ratio([rng.choice(prompts) for _ in prompts]) for _ in range(resamples)]
+                out.append({"system": system, "segment": segment, "metric": metric, "n_prompts": len(prompts),
+                            "ratio": ratio(prompts), "ci95": [_quantile(boot, 0.025), _quantile(boot, 0.975)],
+                            "median_per_prompt": _quantile(per_prompt, 0.5),
+                            "iqr_per_prompt": [_quantile(per_prompt, 0.25), _quantile(per_prompt, 0.75)]})
+    return out
+
+
+def render_spread(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lines = ["", "## Spread (paired by prompt, against frozen)", "",
+             "| system | segment | metric | ratio | bootstrap 95 % | per-prompt median | per-prompt IQR |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['segment']} | {r['metric']} | {r['ratio']:.3f} | "
+                     f"{r['ci95'][0]:.3f}–{r['ci95'][1]:.3f} | {r['median_per_prompt']:.3f} | "
+                     f"{r['iqr_per_prompt'][0]:.3f}–{r['iqr_per_prompt'][1]:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def render(rows: list[dict], header: dict, plot: str | None) -> str:
@@ -371,7 +431,7 @@ def rerender(out: Path) -> int:
     header = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     header["prompts completed (rerendered from per_prompt.jsonl)"] = len(done)
     rows, plot = write_results(out, records)
-    text = render(rows, header, plot)
+    text = render(rows, header, plot) + render_spread(spread(records))
     if (out / "forgetting.json").is_file():
         saved = json.loads((out / "forgetting.json").read_text())
         text += render_forgetting(saved["rows"], saved["mismatches"], saved["command"])
@@ -747,7 +807,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
         "prompts whose outputs differ between systems (must be 0)": mismatches,
         "learner counters": json.dumps(counters),
     }
-    text = render(rows, header, plot)
+    text = render(rows, header, plot) + render_spread(spread(records))
     if forgetting:
         text += write_forgetting(out, forgetting, forgetting_mismatches, command_line(args))
     (out / "report.md").write_text(text)

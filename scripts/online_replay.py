@@ -40,6 +40,13 @@ served`` it gave 1.502 (+19.1 %; frozen 1.261), and with ``"grow_vocab": 2048, "
 0.5`` as well 1.522 (+20.7 %; copy_scale 50: 1.518, 400 without growth: 1.464). Those runs used a
 monkeypatched prototype of the same arithmetic (git history: scripts/copy_term_replay.py).
 
+The learner's cost options were measured here too (``--records served --confidence 0.4``, config
+``{"copy_window": 64, "grow_vocab": 2048, "supervision": "argmax", ...}``; last third, learner
+seconds per prompt on two threads): both ``merge_records`` and ``detach_context`` off 1.522 / 0.75,
+both on 1.516 / 0.39, both on with ``--batch-records 8`` 1.510 / 0.26; ``detach_context`` alone
+1.500 / 0.50; ``--context-tail 32`` 1.485 / 0.52; ``"trainable_blocks": 1`` 1.467 / 0.54, ``0``
+1.307 / 0.35. Replayed records carry their session (the prompt) and position, as served ones do.
+
 It prints the mean accepted length on the first third, the last third and overall.
 """
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.online import add_online_arguments, aggregate, main, passages, rerender, run_online_bench, segment_of, stream_prompts
+from bench.online import (add_online_arguments, aggregate, main, passages, render_spread, rerender, run_online_bench, segment_of,
+                          spread, stream_prompts)
 from router.errors import InvalidArgument
 from online_helpers import write_tiny_zoo
 
@@ -38,6 +39,26 @@ def test_segments_and_rows():
     assert rows[("frozen", "all")]["mean_accepted_length"] == 2.0
     assert rows[("ogd", "last_third")]["mean_accepted_length"] == 2.5 and rows[("ogd", "last_third")]["n_prompts"] == 2
     assert set(rows[("ogd", "all")]) == {"system", "segment", "mean_accepted_length", "tokens_per_s", "n_prompts", "learner_s"}
+
+
+def test_spread_pairs_prompts():
+    """A system exactly 1.25x frozen on every prompt: ratio, interval, median and IQR all 1.25;
+    uneven prompts: the interval and the IQR hold the pooled and the median ratio."""
+    even = [{"prompt_index": i, "system": s, "new_tokens": 10, "rounds": r, "wall_s": 2.0}
+            for i in range(6) for s, r in (("frozen", 5), ("ogd", 4))]
+    rows = {(r["segment"], r["metric"]): r for r in spread(even)}
+    assert set(rows) == {(g, m) for g in ("first_third", "last_third", "all") for m in ("mean_accepted_length", "tokens_per_s")}
+    mal = rows[("all", "mean_accepted_length")]
+    assert mal["ratio"] == pytest.approx(1.25) and mal["ci95"] == pytest.approx([1.25, 1.25])
+    assert mal["median_per_prompt"] == pytest.approx(1.25) and mal["iqr_per_prompt"] == pytest.approx([1.25, 1.25])
+    assert rows[("all", "tokens_per_s")]["ratio"] == pytest.approx(1.0) and mal["n_prompts"] == 6
+    uneven = [{"prompt_index": i, "system": s, "new_tokens": 10, "rounds": 5 if s == "frozen" else 3 + i % 3, "wall_s": 1.0 + i}
+              for i in range(9) for s in ("frozen", "ogd")]
+    for r in spread(uneven):
+        assert r["ci95"][0] <= r["ratio"] <= r["ci95"][1]
+        assert r["iqr_per_prompt"][0] <= r["median_per_prompt"] <= r["iqr_per_prompt"][1]
+    assert "| ogd | all | mean_accepted_length |" in render_spread(spread(uneven))
+    assert render_spread([]) == ""
 
 
 def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
