@@ -87,6 +87,12 @@ class OnlineConfig:
     hedge_member: str = "ogd"  # the members' own update: "ogd" or "optimistic"
     hedge_eta: float = 1.0  # Hedge's learning rate on (capped) losses in nats
     hedge_share: float = 0.01  # fixed share: each member keeps at least share / M of the weight
+    # Members whose Hedge weight is below this are left out of the served mixture (the rest
+    # renormalised; the heaviest always stays). Every served member drafts at full cost whatever
+    # its weight, and the weights concentrate: in the Shakespeare run (bench/results/online-*) one
+    # member held 0.95-0.98 from the second version on. The left-out members go on learning and
+    # come back when Hedge moves weight to them. 0 serves every member.
+    hedge_serve_min: float = 0.05
     loss_cap: float = 10.0  # live losses are capped here: Hedge needs bounded losses
     # What the drafter is fit to at each position: "distribution", the target's top-K p (soft
     # cross-entropy, right for sampled traffic); "argmax", the target's most likely token alone
@@ -146,6 +152,8 @@ class OnlineConfig:
             raise InvalidArgument(f"copy_window must be >= 0 and copy_scale > 0, got {self.copy_window} and {self.copy_scale}")
         if self.trainable_blocks is not None and self.trainable_blocks < 0:
             raise InvalidArgument(f"trainable_blocks must be >= 0 (or None: all), got {self.trainable_blocks}")
+        if not 0 <= self.hedge_serve_min < 1:
+            raise InvalidArgument(f"hedge_serve_min must be in [0, 1), got {self.hedge_serve_min}")
         if self.clip_norm <= 0 or self.hedge_eta < 0 or not 0 <= self.hedge_share < 1 or self.loss_cap <= 0:
             raise InvalidArgument("clip_norm and loss_cap must be > 0, hedge_eta >= 0, 0 <= hedge_share < 1")
 
@@ -332,6 +340,14 @@ def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus
     return FeedbackBatch(inputs, ids, probs, mask)
 
 
+def served_weights(weights: torch.Tensor, minimum: float) -> torch.Tensor:
+    """Hedge weights (M,) with those below ``minimum`` set to 0 (the largest always kept), renormalised."""
+    kept = torch.where(weights >= minimum, weights, torch.zeros_like(weights))
+    top = int(weights.argmax())
+    kept[top] = weights[top]
+    return kept / kept.sum()
+
+
 def mixture_log_probs(logits: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     """log q of the mixture q = sum_i w_i softmax(logits_i), from each member's logits (..., V_r)."""
     if len(logits) == 1:
@@ -440,22 +456,26 @@ def _own_state(model: ZooLM) -> dict[str, torch.Tensor]:
 def build_served_model(base: ZooLM, tensors: dict[str, torch.Tensor], metadata: dict) -> nn.Module:
     """The drafter network of a published version: a ZooLM, or a ZooEnsembleLM for several members.
     A version learnt with vocabulary growth carries its own ``vocab_ids``, one with a copy term
-    its window and scale (metadata ``copy_window``, ``copy_scale``)."""
+    its window and scale (metadata ``copy_window``, ``copy_scale``). An ensemble's version lists
+    its served mixture (``served_weights``): members left out of it are not built, and a single
+    one left is served alone."""
     try:
         count = int(metadata.get("members", 1))
         vocab_ids = tensors["vocab_ids"].long() if "vocab_ids" in tensors else base.vocab_ids
         config = with_copy_term(base.config, int(metadata.get("copy_window", 0)), float(metadata.get("copy_scale", 100.0)))
+        weights = tensors["served_weights"] if "served_weights" in tensors else tensors.get("hedge_weights")
+        chosen = [i for i in range(count) if count == 1 or float(weights[i]) > 0]
         members = []
-        for i in range(count):
+        for i in chosen:
             prefix = f"members.{i}."
             state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
             state["vocab_ids"] = vocab_ids
             member = ZooLM(config, base.embedding, vocab_ids)
             member.load_state_dict(state)
             members.append(member.to(base.device).eval())
-        if count == 1:
+        if len(members) == 1:
             return members[0]
-        return ZooEnsembleLM(members, tensors["hedge_weights"]).to(base.device).eval()
+        return ZooEnsembleLM(members, weights[chosen] / weights[chosen].sum()).to(base.device).eval()
     except Exception as exc:  # noqa: BLE001 - a bad version must not take serving down
         raise ModelUnavailable(f"published drafter weights do not fit the drafter ({type(exc).__name__}: {exc})") from None
 
@@ -634,7 +654,11 @@ class OnlineDrafterLearner:
 
     def mixture_log_probs(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """log q of the served distribution from each member's logits (N, V_r)."""
-        return mixture_log_probs(logits, self.weights)
+        return mixture_log_probs(logits, self.served_weights())
+
+    def served_weights(self) -> torch.Tensor:
+        """The weights of the served mixture: Hedge's, less the members below ``hedge_serve_min``."""
+        return served_weights(self.weights, self.config.hedge_serve_min) if len(self.members) > 1 else self.weights
 
     def loss(self, batch: FeedbackBatch) -> float:
         """The served distribution's distillation loss on ``batch`` (no update)."""
@@ -682,9 +706,13 @@ class OnlineDrafterLearner:
         tensors = {f"members.{i}.{k}": v.detach().cpu().clone() for i, m in enumerate(self.members)
                    for k, v in _own_state(m).items()}
         tensors["hedge_weights"] = self.weights.clone()
+        served = self.served_weights()
+        if len(self.members) > 1:  # build_served_model drafts with these members only
+            tensors["served_weights"] = served.clone()
         tensors["vocab_ids"] = self.members[0].vocab_ids.detach().cpu().clone()
         metadata = {"members": len(self.members), "algorithm": self.config.algorithm, "lrs": list(self.lrs),
-                    "hedge_weights": [round(float(w), 6) for w in self.weights], "steps": self.steps,
+                    "hedge_weights": [round(float(w), 6) for w in self.weights],
+                    "served_members": [i for i, w in enumerate(served) if w > 0], "steps": self.steps,
                     "vocab": len(self.members[0].vocab_ids), "vocab_grown": self.grown}
         config = self.members[0].config
         if config.copy_window:

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
         elif len(learner.members) == 1:
             model = learner.members[0]
         else:
-            model = ZooEnsembleLM(learner.members, learner.weights)
+            model = ZooEnsembleLM(learner.members, learner.served_weights())
         rejected = [] if args.records == "served" else None
         rounds = simulate(model.eval(), item, args.confidence, rejected)
         per_prompt.append((len(item["output"]), len(rounds)))

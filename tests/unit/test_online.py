@@ -535,6 +535,40 @@ def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_recor
     assert sum(b >= a - 1e-9 for a, b in zip(weights, weights[1:])) > 0.8 * (len(weights) - 1)
 
 
+@pytest.mark.parametrize("weights, minimum, expected", [
+    ([0.97, 0.02, 0.01], 0.05, [1.0, 0.0, 0.0]),
+    ([0.6, 0.38, 0.02], 0.05, [0.6 / 0.98, 0.38 / 0.98, 0.0]),
+    ([0.3, 0.3, 0.4], 0.5, [0.0, 0.0, 1.0]),  # the heaviest stays even below the minimum
+    ([0.97, 0.02, 0.01], 0.0, [0.97, 0.02, 0.01]),
+])
+def test_served_weights(weights, minimum, expected):
+    from drafters.online import served_weights
+
+    assert served_weights(torch.tensor(weights), minimum).tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("weights, served_members", [([0.97, 0.02, 0.01], 1), ([0.6, 0.38, 0.02], 2), ([0.4, 0.3, 0.3], 3)])
+def test_a_hedge_version_serves_only_its_weighty_members(weights, served_members, zoo_base, stream_records):
+    """Members under hedge_serve_min are not built into the served network (one left: a plain
+    ZooLM); the learner's own served loss is that network's; the version still restores every
+    member and the full Hedge weights."""
+    learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.01, 0.05, 0.1)))
+    for record in stream_records[:6]:
+        learner.step(make_batch([record], learner.vocab_map))
+    learner.weights = torch.tensor(weights)
+    tensors, metadata = learner.serving_tensors()
+    served = build_served_model(zoo_base, tensors, metadata)
+    assert len(metadata["served_members"]) == served_members
+    assert isinstance(served, ZooEnsembleLM) == (served_members > 1)
+    if served_members > 1:
+        assert len(served.members) == served_members
+    everything = make_batch(stream_records, learner.vocab_map)
+    assert evaluate(served, stream_records).loss == pytest.approx(learner.loss(everything), rel=1e-4)
+    restored = OnlineDrafterLearner(zoo_base, learner.config)
+    restored.load_serving_tensors(tensors)
+    assert restored.weights.tolist() == pytest.approx(weights) and len(restored.members) == 3
+
+
 def test_ensemble_network_is_the_mixture_and_its_cache_is_exact(zoo_base, stream_records):
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(algorithm="hedge", hedge_lrs=(0.02, 0.1)))
     for record in stream_records[:6]:
