@@ -364,10 +364,7 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens the learners may add to the drafter's vocabulary (default {online.grow_vocab})")
     parser.add_argument("--copy-window", type=int, default=online.copy_window,
                         help=f"the learners' copy term: inputs looked back over, 0 = none (default {online.copy_window})")
-    parser.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=online.merge_records,
-                        help=f"the learners fit a session's records that line up as one sequence (default {online.merge_records})")
-    parser.add_argument("--detach-context", action=argparse.BooleanOptionalAction, default=online.detach_context,
-                        help=f"the learners backpropagate through the draft positions only (default {online.detach_context})")
+    add_learner_cost_arguments(parser)
     parser.add_argument("--batch-records", type=int, default=4, help="feedback records per gradient step")
     parser.add_argument("--supervision", choices=SUPERVISION, default=online.supervision,
                         help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {online.supervision})")
@@ -378,6 +375,23 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
     parser.add_argument("--device", default="cpu")
     add_forgetting_arguments(parser)
+
+
+def add_learner_cost_arguments(parser) -> None:
+    """--merge-records / --detach-context, with the library's defaults (drafters/online.py)."""
+    from drafters.online import OnlineConfig
+
+    online = OnlineConfig()
+    parser.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=online.merge_records,
+                        help=f"the learners fit a session's records that line up as one sequence (default {online.merge_records})")
+    parser.add_argument("--detach-context", action=argparse.BooleanOptionalAction, default=online.detach_context,
+                        help=f"the learners backpropagate through the draft positions only (default {online.detach_context})")
+
+
+def learner_cost_flags(args: argparse.Namespace) -> list[str]:
+    """The learner-cost options of ``args`` as command-line flags (for the report and the learner processes)."""
+    return ["--merge-records" if args.merge_records else "--no-merge-records",
+            "--detach-context" if args.detach_context else "--no-detach-context"]
 
 
 def add_process_arguments(parser) -> None:
@@ -449,9 +463,8 @@ def command_line(args: argparse.Namespace) -> str:
         *head,
         "--systems", args.systems, "-k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--hedge-lrs", args.hedge_lrs, "--batch-records", str(args.batch_records), "--supervision", args.supervision, "--context-tail", str(args.context_tail), "--precondition", args.precondition,
-        "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
-        "--merge-records" if args.merge_records else "--no-merge-records",
-        "--detach-context" if args.detach_context else "--no-detach-context", "--out", args.out,
+        "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window), *learner_cost_flags(args),
+        "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
            str(args.learner_threads), "--publish-every", str(args.publish_every),
@@ -493,10 +506,7 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens the learners may add to the drafter's vocabulary (default {d['grow_vocab']})")
     group.add_argument("--copy-window", type=int, default=d["copy_window"],
                        help=f"the learners' copy term: inputs looked back over, 0 = none (default {d['copy_window']})")
-    group.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=d["merge_records"],
-                       help=f"the learners fit a session's records that line up as one sequence (default {d['merge_records']})")
-    group.add_argument("--detach-context", action=argparse.BooleanOptionalAction, default=d["detach_context"],
-                       help=f"the learners backpropagate through the draft positions only (default {d['detach_context']})")
+    add_learner_cost_arguments(group)
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
     from drafters.online import SUPERVISION
@@ -568,9 +578,7 @@ class LearnerProcess:
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
                    "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
-                   "--merge-records" if args.merge_records else "--no-merge-records",
-                   "--detach-context" if args.detach_context else "--no-detach-context",
-                   "--batch-records", str(args.batch_records), "--supervision", args.supervision,
+                   *learner_cost_flags(args), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
                    "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)

@@ -247,10 +247,6 @@ def vocab_map_for(model: nn.Module) -> torch.Tensor:
     return vocabulary_index(model.vocab_ids.cpu(), model.vocab_size) - 1
 
 
-def _rows(record, bonus: bool) -> int:
-    return len(record.target_ids) if bonus else len(record.draft)
-
-
 def batch_sequences(records: Sequence[FeedbackRecord], bonus: bool = True,
                     merge: bool = False) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
     """The token sequences a batch fits: [(tokens, [(t, record index, row j)])], row j of the
@@ -264,48 +260,43 @@ def batch_sequences(records: Sequence[FeedbackRecord], bonus: bool = True,
     draft token (off the session's path) are dropped, except the last record's. Successive
     records of a session share most of their context, so four of them fit in about a quarter of
     the tokens: that is the learner's cost. Records without a position stay on their own."""
-    singles, sessions = [], {}
+
+    def first_draft_token(r) -> int:  # its index in the session (in its own record without a position)
+        position = getattr(r, "position", None)
+        return position if position is not None else len(r.context)
+
+    # Each chain: (record indices, tokens, the session index of tokens[0]).
+    chains: list[tuple[list[int], list[int], int]] = []
+    sessions: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(records):
         if merge and getattr(r, "position", None) is not None:
             sessions.setdefault((r.tenant, r.session), []).append(i)
         else:
-            singles.append([i])
-    chains: list[list[int]] = []
+            chains.append(([i], list(r.context), first_draft_token(r) - len(r.context)))
+    merged: list[tuple[list[int], list[int], int]] = []
     for members in sessions.values():
-        members.sort(key=lambda i: records[i].position)
-        chain, tokens, start = [], [], 0
-        for i in members:
+        for i in sorted(members, key=lambda i: records[i].position):
             r = records[i]
             r_start = r.position - len(r.context)
-            end = start + len(tokens)
-            if chain and start <= r_start <= end <= r.position and tokens[r_start - start:] == list(r.context[: end - r_start]):
-                tokens.extend(r.context[end - r_start:])
-                chain.append(i)
-                continue
-            if chain:
-                chains.append(chain)
-            chain, tokens, start = [i], list(r.context), r_start
-        if chain:
-            chains.append(chain)
+            if merged and merged[-1][0][0] in members:
+                chain, tokens, start = merged[-1]
+                end = start + len(tokens)
+                if start <= r_start <= end <= r.position and tokens[r_start - start:] == list(r.context[: end - r_start]):
+                    tokens.extend(r.context[end - r_start:])
+                    chain.append(i)
+                    continue
+            merged.append(([i], list(r.context), r_start))
     out = []
-    for chain in chains + singles:
-        first, last = records[chain[0]], records[chain[-1]]
-        start = getattr(first, "position", None)
-        start = (start - len(first.context)) if len(chain) > 1 else 0
-        tokens = list(first.context)
-        for i in chain[1:]:  # the chain's contexts, then the last draft
-            r = records[i]
-            have = start + len(tokens)
-            tokens.extend(r.context[have - (r.position - len(r.context)):])
-        tokens.extend(last.draft)
+    for chain, tokens, start in merged + chains:
+        tokens = tokens + list(records[chain[-1]].draft)
         rows, taken = [], set()
         for i in chain:
             r = records[i]
-            at = (r.position - start) if len(chain) > 1 else len(r.context)  # the first draft token's index
-            for j in range(_rows(r, bonus)):
-                t = at - 1 + j
-                if i != chain[-1] and (tokens[at: at + j] != list(r.draft[:j]) or at + j > len(tokens)):
+            at = first_draft_token(r) - start  # the index of its first draft token in ``tokens``
+            for j in range(len(r.target_ids) if bonus else len(r.draft)):
+                if i != chain[-1] and tokens[at: at + j] != list(r.draft[:j]):
                     break  # off the path from here on
+                t = at - 1 + j
                 if t not in taken:
                     taken.add(t)
                     rows.append((t, i, j))
@@ -658,7 +649,7 @@ class OnlineDrafterLearner:
 
     def served_weights(self) -> torch.Tensor:
         """The weights of the served mixture: Hedge's, less the members below ``hedge_serve_min``."""
-        return served_weights(self.weights, self.config.hedge_serve_min) if len(self.members) > 1 else self.weights
+        return served_weights(self.weights, self.config.hedge_serve_min)
 
     def loss(self, batch: FeedbackBatch) -> float:
         """The served distribution's distillation loss on ``batch`` (no update)."""

@@ -105,8 +105,16 @@ def checkpoint_conflict(online: OnlineConfig, state: dict | None, key: VariantKe
     saved = saved_config.get("algorithm")
     saved_members = len(learner.get("members") or ())
     members = len(online.hedge_lrs) if online.algorithm == "hedge" else 1
+
+    def plural(n: int) -> str:
+        return f"{n} member" + ("s" if n != 1 else "")
+
+    if saved != online.algorithm or saved_members != members:
+        return (f"the learner checkpoint of {key.scope}/{key.drafter} in the model store {where} was made by {saved} "
+                f"({plural(saved_members)}), not {online.algorithm} ({plural(members)}); learn on with the algorithm "
+                "it was trained with, or use another model store")
     saved_blocks = saved_config.get("trainable_blocks")
-    if saved == online.algorithm and saved_members == members and saved_blocks != online.trainable_blocks:
+    if saved_blocks != online.trainable_blocks:
         # The optimiser state (AdaGrad sums, optimistic hints) holds one tensor per trained parameter.
         def blocks(n: int | None) -> str:
             return "every block" if n is None else f"the last {n} block(s)"
@@ -114,14 +122,7 @@ def checkpoint_conflict(online: OnlineConfig, state: dict | None, key: VariantKe
         return (f"the learner checkpoint of {key.scope}/{key.drafter} in the model store {where} trained "
                 f"{blocks(saved_blocks)}, not {blocks(online.trainable_blocks)}; learn on with the setting it was "
                 "trained with, or use another model store")
-    if saved == online.algorithm and saved_members == members:
-        return None
-    def plural(n: int) -> str:
-        return f"{n} member" + ("s" if n != 1 else "")
-
-    return (f"the learner checkpoint of {key.scope}/{key.drafter} in the model store {where} was made by {saved} "
-            f"({plural(saved_members)}), not {online.algorithm} ({plural(members)}); learn on with the algorithm "
-            "it was trained with, or use another model store")
+    return None
 
 
 def is_held_out(record_id: str, every: int) -> bool:
