@@ -59,8 +59,8 @@ class EmbeddedWorker:
         child_conn.close()  # only the child holds its end: its death then reads as EOF here
         self._receive(EMBEDDED_START_TIMEOUT_S, "loading")
 
-    def generate(self, prompt: str) -> tuple[list[int], float]:
-        """(token ids, wall seconds of ``EmbeddedEngine.generate`` in the child)."""
+    def generate(self, prompt: str) -> tuple[list[int], float, dict]:
+        """(token ids, wall seconds of ``EmbeddedEngine.generate`` in the child, its ``time_split``)."""
         self._conn.send(prompt)
         return self._receive(None, "generating")
 
@@ -113,7 +113,12 @@ def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_toke
             ids = engine.encode_prompt(prompt)
             started = time.perf_counter()
             result = engine.generate(ids, params, k=k, session_id=uuid.uuid4().hex, policy=policy, pool=pool)
-            conn.send(("ok", (list(result.token_ids), time.perf_counter() - started)))
+            wall = time.perf_counter() - started
+            rounds = result.rounds
+            split = time_split(rounds=len(rounds), wall_s=wall, loop_s=result.wall_s,
+                               draft_s=sum(r.draft_s for r in rounds), draft_forward_s=sum(r.draft_forward_s for r in rounds),
+                               verify_s=sum(r.verify_s for r in rounds), verify_forward_s=sum(r.verify_forward_s for r in rounds))
+            conn.send(("ok", (list(result.token_ids), wall, split)))
         except Exception as exc:  # noqa: BLE001
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -183,6 +188,36 @@ class StreamTiming:
         return gaps
 
 
+def time_split(*, rounds: int, wall_s: float, loop_s: float, draft_s: float, draft_forward_s: float,
+               verify_s: float, verify_forward_s: float) -> dict:
+    """Where one request's time went, in seconds: the models' forwards, reaching them (transport,
+    queueing, conversion: a call's wall time minus its forward), the rest of the speculative loop
+    (the policy and its state store, streaming callbacks) and what lies outside the loop (request
+    set-up, the client's transport, release)."""
+    return {
+        "rounds": rounds, "wall_s": wall_s,
+        "draft_forward_s": draft_forward_s, "draft_reach_s": max(0.0, draft_s - draft_forward_s),
+        "verify_forward_s": verify_forward_s, "verify_reach_s": max(0.0, verify_s - verify_forward_s),
+        "loop_other_s": max(0.0, loop_s - draft_s - verify_s), "outside_loop_s": max(0.0, wall_s - loop_s),
+    }
+
+
+SPLIT_PARTS = (("draft_forward_s", "draft forward"), ("draft_reach_s", "reaching drafter"),
+               ("verify_forward_s", "verify forward"), ("verify_reach_s", "reaching target"),
+               ("loop_other_s", "rest of loop"), ("outside_loop_s", "outside loop"))
+
+
+def split_per_round(splits: Sequence[dict]) -> dict | None:
+    """Pooled over requests: each part's total seconds / total rounds (ms per round below)."""
+    rounds = sum(x["rounds"] for x in splits)
+    if not rounds:
+        return None
+    out = {key: sum(x[key] for x in splits) / rounds for key, _ in SPLIT_PARTS}
+    out["total_s"] = sum(x["wall_s"] for x in splits) / rounds
+    out["rounds"] = rounds
+    return out
+
+
 def latency_summary(timings: Sequence[StreamTiming]) -> dict:
     ttft = [t for t in (x.ttft() for x in timings) if t is not None]
     itl = [g for x in timings for g in x.inter_token()]
@@ -209,6 +244,8 @@ def single_session_summary(records: Sequence[dict]) -> dict:
         "ratio_mean_per_prompt": sum(ratios) / len(ratios) if ratios else None,
         "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
         "identical_outputs": sum(1 for r in records if r["identical"]),
+        "ms_per_round": {system: split_per_round([r[f"{system}_split"] for r in records if r.get(f"{system}_split")])
+                         for system in ("served", "embedded")},
     }
 
 
@@ -237,6 +274,7 @@ def markdown_report(result: dict, plot: str | None) -> str:
         f"{_f(single['ratio_mean_per_prompt'], 3)} (min {_f(single['ratio_min'], 3)}, max {_f(single['ratio_max'], 3)}). "
         f"Identical greedy outputs: {single['identical_outputs']} of {single['prompts']}.",
         "",
+        *split_table(single.get("ms_per_round") or {}),
         "## Concurrent sessions (served)", "",
         "| sessions | requests | tokens | wall s | aggregate tokens/s | × 1 session | TTFT p50 / p99 | ITL p50 / p99 | target batch sizes |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -256,6 +294,22 @@ def markdown_report(result: dict, plot: str | None) -> str:
     if plot:
         lines += [f"![aggregate tokens/s]({plot})", ""]
     return "\n".join(lines)
+
+
+def split_table(ms_per_round: dict) -> list[str]:
+    """Markdown lines: where a round's time goes, served next to embedded (empty without data)."""
+    systems = [(name, ms_per_round[name]) for name in ("embedded", "served") if ms_per_round.get(name)]
+    if not systems:
+        return []
+    lines = ["### Where a round's time goes (ms per round, pooled over prompts)", "",
+             "| system | rounds | " + " | ".join(label for _, label in SPLIT_PARTS) + " | total |",
+             "|---|---|" + "---|" * (len(SPLIT_PARTS) + 1)]
+    for name, split in systems:
+        lines.append(f"| {name} | {split['rounds']} | " + " | ".join(_f(split[key], 1, 1000) for key, _ in SPLIT_PARTS)
+                     + f" | {_f(split['total_s'], 1, 1000)} |")
+    return lines + ["", "Forward: inside the model's server; reaching: the call's wall time as the loop saw it minus the "
+                    "forward (transport, queueing, conversion); rest of loop: the policy and its state store, streaming "
+                    "callbacks; outside loop: request set-up, the client's transport, releasing caches.", ""]
 
 
 def plot_throughput(levels: Sequence[dict], path: Path, title: str) -> None:
@@ -285,16 +339,19 @@ def plot_throughput(levels: Sequence[dict], path: Path, title: str) -> None:
 
 
 # -- the run -----------------------------------------------------------------------------------------------
-def _stream_once(client, prompt: str, fields: dict) -> tuple[StreamTiming, list[int]]:
+def _stream_once(client, prompt: str, fields: dict):
+    """(arrival times, token ids, the router's Stats from the last message)."""
     timing = StreamTiming()
     tokens: list[int] = []
+    stats = None
     started = time.perf_counter()
     for chunk in client.generate_stream(prompt, **fields):
         now = time.perf_counter() - started
         timing.arrivals.append((now, len(chunk.token_ids)))
         tokens.extend(chunk.token_ids)
+        stats = chunk.stats or stats
     timing.wall_s = time.perf_counter() - started
-    return timing, tokens
+    return timing, tokens, stats
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -357,18 +414,22 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
             got: dict = {}
             for system in order:
                 if system == "served":
-                    timing, tokens = _stream_once(client, q.prompt, {**fields, "session_id": session})
-                    got["served"] = (tokens, timing.wall_s, timing)
+                    timing, tokens, stats = _stream_once(client, q.prompt, {**fields, "session_id": session})
+                    split = time_split(rounds=stats.rounds, wall_s=timing.wall_s, loop_s=stats.wall_s,
+                                       draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s,
+                                       verify_s=stats.verify_s, verify_forward_s=stats.verify_forward_s)
+                    got["served"] = (tokens, timing.wall_s, timing, split)
                 else:
-                    tokens, wall = embedded(q.prompt)
-                    got["embedded"] = (tokens, wall, None)
-            s_tokens, s_wall, s_timing = got["served"]
-            e_tokens, e_wall, _ = got["embedded"]
+                    tokens, wall, split = embedded(q.prompt)
+                    got["embedded"] = (tokens, wall, None, split)
+            s_tokens, s_wall, s_timing, s_split = got["served"]
+            e_tokens, e_wall, _, e_split = got["embedded"]
             records.append({
                 "question_id": q.question_id, "category": q.category, "first": order[0],
                 "served_tokens": len(s_tokens), "served_s": s_wall, "served_tps": len(s_tokens) / s_wall if s_wall else None,
                 "embedded_tokens": len(e_tokens), "embedded_s": e_wall, "embedded_tps": len(e_tokens) / e_wall if e_wall else None,
                 "identical": s_tokens == e_tokens, "ttft_s": s_timing.ttft(),
+                "served_split": s_split, "embedded_split": e_split,
             })
         engine.close()  # frees the embedded models before the concurrency runs
         target_handle = serve.get_deployment_handle("Target", app_name="target")
@@ -394,7 +455,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
                     except queue.Empty:
                         return
                     try:
-                        timing, _ = _stream_once(client, prompt, {**fields, "session_id": uuid.uuid4().hex})
+                        timing, _, _ = _stream_once(client, prompt, {**fields, "session_id": uuid.uuid4().hex})
                     except Exception as exc:  # noqa: BLE001 - reported, not fatal
                         with lock:
                             errors.append(str(exc))

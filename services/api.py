@@ -124,6 +124,8 @@ class Stats:
     wall_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    draft_forward_s: float = 0.0  # inside the drafters' forwards; draft_s minus this is reaching them
+    verify_forward_s: float = 0.0  # inside the target's forwards; verify_s minus this is reaching it
 
     def as_dict(self) -> dict:
         return {
@@ -131,6 +133,7 @@ class Stats:
             "mean_accepted_length": round(self.mean_accepted_length, 4), "rounds_by_drafter": dict(self.rounds_by_drafter),
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "wall_s": round(self.wall_s, 4), "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
+            "draft_forward_s": round(self.draft_forward_s, 4), "verify_forward_s": round(self.verify_forward_s, 4),
         }
 
 
@@ -140,6 +143,7 @@ def stats_to_proto(stats: Stats) -> specpool_pb2.GenerationStats:
         mean_accepted_length=stats.mean_accepted_length, rounds_by_drafter=stats.rounds_by_drafter,
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         wall_s=stats.wall_s, draft_s=stats.draft_s, verify_s=stats.verify_s,
+        draft_forward_s=stats.draft_forward_s, verify_forward_s=stats.verify_forward_s,
     )
 
 
@@ -149,6 +153,7 @@ def stats_from_proto(msg: specpool_pb2.GenerationStats) -> Stats:
         mean_accepted_length=msg.mean_accepted_length, rounds_by_drafter=dict(msg.rounds_by_drafter),
         draft_tokens=msg.draft_tokens, accepted_tokens=msg.accepted_tokens,
         wall_s=msg.wall_s, draft_s=msg.draft_s, verify_s=msg.verify_s,
+        draft_forward_s=msg.draft_forward_s, verify_forward_s=msg.verify_forward_s,
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from router.errors import InvalidArgument, ModelUnavailable
-from services.serve_config import DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, RouterArgs, ServePlan
+from services.serve_config import DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, SERVE_ENV, RouterArgs, ServePlan
 
 
 @dataclass
@@ -113,6 +113,8 @@ def start_local(
     # workers ARE the service (the model servers): at 15 any other busy process on the machine
     # would starve them. The raylet reads this when it starts, and passes it to the workers.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    for name, value in SERVE_ENV.items():  # read by every Ray process it starts
+        os.environ.setdefault(name, value)
     ray.init(**init_kwargs)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
     started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",

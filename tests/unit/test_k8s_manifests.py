@@ -277,6 +277,14 @@ def test_redis_url_names_the_redis_service():
         assert env.get("REDIS_URL") == url, f"{container['name']}: REDIS_URL {env.get('REDIS_URL')!r} != {url!r}"
 
 
+def test_every_ray_container_has_serves_data_path_settings():
+    from services.serve_config import SERVE_ENV
+
+    for container in _ray_containers(ray_service()):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert {name: env.get(name) for name in SERVE_ENV} == SERVE_ENV, container["name"]
+
+
 # -- core manifests: selectors and ports ------------------------------------------------------------
 def pod_templates() -> list[tuple[str, dict]]:
     """(owner, pod template) for every workload in k8s/."""

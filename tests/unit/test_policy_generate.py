@@ -11,7 +11,7 @@ from cli_helpers import assert_one_line_error
 from drafters.hf_model import HFModelDrafter
 from drafters.ngram import NGramDrafter
 from router.bandit import BanditChooser
-from router.loop import speculative_generate
+from router.loop import RoundRecord, speculative_generate
 from router.policies import POLICIES, make_policy
 from router.session_store import InMemorySessionStore, SessionKey
 from target.sampling import SamplingParams
@@ -132,3 +132,38 @@ def test_bad_policy_input(cli, case):
     code, out, err = cli("generate", "the cat", *argv)
     assert_one_line_error(code, err, *fragments)
     assert out == ""
+
+
+class CountingStore(InMemorySessionStore):
+    """The in-memory store, counting reads (a test double for round trips)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def read(self, key):
+        self.reads += 1
+        return super().read(key)
+
+
+def _round(drafter: str, accepted: int) -> RoundRecord:
+    return RoundRecord(drafter, 4, 4, accepted, accepted + 1, 1.0 - 0.2 * (4 - accepted), 0.01, 0.05, 0.07)
+
+
+def test_a_request_reads_its_session_once_and_loses_no_concurrent_update():
+    store = CountingStore()
+    key = SessionKey("acme", "s")
+    policy = make_policy("metasd-ucb", ["ngram", "code"])
+    chooser = BanditChooser(policy, store, key)
+    for accepted in (4, 0, 2, 3):
+        choice = chooser.select()
+        chooser.update(_round(choice.drafter, accepted))
+    assert store.reads == 1  # later rounds choose from the state their own update committed
+    assert store.read(key)[0]["t"] == 4
+    # Two requests of one session at once: each chooses from its own view, both updates land.
+    a, b = BanditChooser(policy, store, key), BanditChooser(policy, store, key)
+    for chooser in (a, b, a, b):
+        choice = chooser.select()
+        chooser.update(_round(choice.drafter, 1))
+    state = store.read(key)[0]
+    assert state["t"] == 8 and sum(arm["n"] for arm in state["arms"].values()) == 8

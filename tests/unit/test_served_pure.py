@@ -279,7 +279,7 @@ def test_generate_request_errors(msg, message):
 
 
 def test_stats_and_finish_reasons():
-    stats = api.Stats(3, 10, 20, 10 / 3, {"ngram": 2, "code": 1}, 12, 7, 1.5, 0.2, 1.1)
+    stats = api.Stats(3, 10, 20, 10 / 3, {"ngram": 2, "code": 1}, 12, 7, 1.5, 0.2, 1.1, 0.15, 0.9)
     assert api.stats_from_proto(api.stats_to_proto(stats)) == stats
     for name in ("stop", "length", "cancelled"):
         assert api.finish_reason_name(api.finish_reason_to_proto(name)) == name
@@ -323,9 +323,38 @@ def test_bench_served_aggregation():
                                "batch_sizes": {"1": 3}}]}
     text = markdown_report(result, "throughput.png")
     assert "served / embedded = 0.500" in text and "| 1 | 1 | 6 |" in text
+    assert "Where a round's time goes" not in text  # no split recorded, no table
     assert parse_levels("8,1,4,4") == [1, 4, 8]
     with pytest.raises(InvalidArgument):
         parse_levels("a,b")
+
+
+def test_bench_served_time_split():
+    from bench.served import markdown_report, single_session_summary, split_per_round, time_split
+
+    # 4 rounds in 1.0 s at the client, 0.9 s in the loop: 0.2 drafting (0.15 forward), 0.6 verifying (0.5 forward).
+    split = time_split(rounds=4, wall_s=1.0, loop_s=0.9, draft_s=0.2, draft_forward_s=0.15, verify_s=0.6, verify_forward_s=0.5)
+    assert split["draft_reach_s"] == pytest.approx(0.05) and split["verify_reach_s"] == pytest.approx(0.1)
+    assert split["loop_other_s"] == pytest.approx(0.1) and split["outside_loop_s"] == pytest.approx(0.1)
+    parts = ("draft_forward_s", "draft_reach_s", "verify_forward_s", "verify_reach_s", "loop_other_s", "outside_loop_s")
+    assert sum(split[p] for p in parts) == pytest.approx(split["wall_s"])  # the parts add up to the whole
+    # A forward timed longer than its call (clock granularity) never gives a negative part.
+    assert time_split(rounds=1, wall_s=1, loop_s=1, draft_s=0.1, draft_forward_s=0.2, verify_s=0, verify_forward_s=0)["draft_reach_s"] == 0
+    other = time_split(rounds=6, wall_s=2.0, loop_s=2.0, draft_s=0.0, draft_forward_s=0.0, verify_s=1.0, verify_forward_s=1.0)
+    pooled = split_per_round([split, other])
+    assert pooled["rounds"] == 10 and pooled["total_s"] == pytest.approx(0.3)
+    assert pooled["verify_forward_s"] == pytest.approx(0.15) and pooled["loop_other_s"] == pytest.approx(0.11)
+    assert split_per_round([]) is None
+    records = [{"served_tokens": 8, "served_s": 1.0, "served_tps": 8.0, "embedded_tokens": 8, "embedded_s": 0.8,
+                "embedded_tps": 10.0, "identical": True, "served_split": split, "embedded_split": other}]
+    single = single_session_summary(records)
+    assert single["ms_per_round"]["served"]["total_s"] == pytest.approx(0.25)
+    result = {"command": "c", "machine": {}, "single_session": single, "concurrency": [],
+              "config": {"target": "t", "pool": ["ngram"], "policy": "p", "k": 5, "max_new_tokens": 8, "prompts_file": "f",
+                         "limit_per_category": 1, "max_batch_size": 8}}
+    text = markdown_report(result, None)
+    assert "| served | 4 | 37.5 | 12.5 | 125.0 | 25.0 | 25.0 | 25.0 | 250.0 |" in text
+    assert "| embedded | 6 | 0.0 | 0.0 | 166.7 | 0.0 | 166.7 | 0.0 | 333.3 |" in text
 
 
 # -- the CLI, before anything starts -----------------------------------------------------------------------------

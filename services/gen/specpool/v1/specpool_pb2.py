@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.gen.specpool.v1 import common_pb2 as specpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecpool/v1/specpool.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specpool.v1.ChatMessage\"\x91\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.specpool.v1.ChatH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\t\n\x01k\x18\t \x01(\r\x12\x12\n\nsession_id\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\tB\x07\n\x05input\"\xd2\x02\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x12\n\nnew_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12L\n\x11rounds_by_drafter\x18\x05 \x03(\x0b\x32\x31.specpool.v1.GenerationStats.RoundsByDrafterEntry\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x0e\n\x06wall_s\x18\x08 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\t \x01(\x01\x12\x10\n\x08verify_s\x18\n \x01(\x01\x1a\x36\n\x14RoundsByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xa6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specpool.v1.GenerationStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\"\xac\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specpool.v1.GenerationStats\x12\x12\n\nsession_id\x18\x05 \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xaa\x01\n\x08SpecPool\x12G\n\x08Generate\x12\x1c.specpool.v1.GenerateRequest\x1a\x1d.specpool.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.specpool.v1.GenerateRequest\x1a#.specpool.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecpool/v1/specpool.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specpool.v1.ChatMessage\"\x91\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.specpool.v1.ChatH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\t\n\x01k\x18\t \x01(\r\x12\x12\n\nsession_id\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\tB\x07\n\x05input\"\x85\x03\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x12\n\nnew_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12L\n\x11rounds_by_drafter\x18\x05 \x03(\x0b\x32\x31.specpool.v1.GenerationStats.RoundsByDrafterEntry\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x0e\n\x06wall_s\x18\x08 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\t \x01(\x01\x12\x10\n\x08verify_s\x18\n \x01(\x01\x12\x17\n\x0f\x64raft_forward_s\x18\x0b \x01(\x01\x12\x18\n\x10verify_forward_s\x18\x0c \x01(\x01\x1a\x36\n\x14RoundsByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xa6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specpool.v1.GenerationStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\"\xac\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specpool.v1.GenerationStats\x12\x12\n\nsession_id\x18\x05 \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xaa\x01\n\x08SpecPool\x12G\n\x08Generate\x12\x1c.specpool.v1.GenerateRequest\x1a\x1d.specpool.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.specpool.v1.GenerateRequest\x1a#.specpool.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._loaded_options = None
   _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1082
-  _globals['_FINISHREASON']._serialized_end=1206
+  _globals['_FINISHREASON']._serialized_start=1133
+  _globals['_FINISHREASON']._serialized_end=1257
   _globals['_CHAT']._serialized_start=69
   _globals['_CHAT']._serialized_end=119
   _globals['_GENERATEREQUEST']._serialized_start=122
   _globals['_GENERATEREQUEST']._serialized_end=395
   _globals['_GENERATIONSTATS']._serialized_start=398
-  _globals['_GENERATIONSTATS']._serialized_end=736
-  _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._serialized_start=682
-  _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._serialized_end=736
-  _globals['_GENERATERESPONSE']._serialized_start=739
-  _globals['_GENERATERESPONSE']._serialized_end=905
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=908
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1080
-  _globals['_SPECPOOL']._serialized_start=1209
-  _globals['_SPECPOOL']._serialized_end=1379
+  _globals['_GENERATIONSTATS']._serialized_end=787
+  _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._serialized_start=733
+  _globals['_GENERATIONSTATS_ROUNDSBYDRAFTERENTRY']._serialized_end=787
+  _globals['_GENERATERESPONSE']._serialized_start=790
+  _globals['_GENERATERESPONSE']._serialized_end=956
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=959
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1131
+  _globals['_SPECPOOL']._serialized_start=1260
+  _globals['_SPECPOOL']._serialized_end=1430
 # @@protoc_insertion_point(module_scope)

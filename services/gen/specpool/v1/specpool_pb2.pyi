@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., raw_prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "new_tokens", "prompt_tokens", "mean_accepted_length", "rounds_by_drafter", "draft_tokens", "accepted_tokens", "wall_s", "draft_s", "verify_s")
+    __slots__ = ("rounds", "new_tokens", "prompt_tokens", "mean_accepted_length", "rounds_by_drafter", "draft_tokens", "accepted_tokens", "wall_s", "draft_s", "verify_s", "draft_forward_s", "verify_forward_s")
     class RoundsByDrafterEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,8 @@ class GenerationStats(_message.Message):
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     new_tokens: int
     prompt_tokens: int
@@ -80,7 +82,9 @@ class GenerationStats(_message.Message):
     wall_s: float
     draft_s: float
     verify_s: float
-    def __init__(self, rounds: _Optional[int] = ..., new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rounds_by_drafter: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    draft_forward_s: float
+    verify_forward_s: float
+    def __init__(self, rounds: _Optional[int] = ..., new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rounds_by_drafter: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., draft_forward_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id")
