@@ -175,7 +175,7 @@ def _summary(learner) -> str:
     """One line: the counters that moved and each variant's serving version."""
     c = learner.counters
     records = [f"{c['applied']} applied", f"{c['held_out']} held out"]
-    records += [f"{c[k]} {k.replace('_', ' ')}" for k in ("duplicates", "rejected", "opted_out", "over_budget",
+    records += [f"{c[k]} {k.replace('_', ' ')}" for k in ("trained_after_holdout", "duplicates", "rejected", "opted_out", "over_budget",
                                                            "not_learnable", "dead_lettered", "errors") if c[k]]
     parts = [f"{c['processed']} records ({', '.join(records)}), {c['acked']} acknowledged",
              f"versions: {c['published']} published, {c['promoted']} promoted, {c['rollbacks']} rolled back"]

@@ -6,7 +6,9 @@ record to its drafter *variant* with an online algorithm (drafters/online.py), a
 
 1. the variant's candidate weights are written to the model store as a new version;
 2. the candidate and the serving version are scored by BD on held-out recent feedback (records
-   picked by a hash of their id, never trained on), paired position by position; a drop beyond
+   picked by a hash of their id; the ``holdout_size`` most recent are kept, untrained, and one
+   that leaves that window is trained on then, ``train_after_holdout``), paired position by
+   position; a drop beyond
    ``rollback_bd_drop`` that is also significant (z below -``rollback_z``: small held-out sets
    are noisy) rolls the candidate back - it is marked in the store, the learner returns to the
    serving weights, and the rollback is counted and logged - otherwise it becomes the serving
@@ -72,8 +74,11 @@ class LearningConfig:
     batch_records: int = 1  # records of one variant per gradient step
     publish_every: int = 32  # applied records of a variant between commits (new versions)
     commit_after_s: float = 30.0  # ... or this long after its first uncommitted record
-    holdout_every: int = 8  # one record in this many (by id hash) is held out, never trained on
-    holdout_size: int = 64  # the most recent held-out records kept per variant
+    holdout_every: int = 8  # one record in this many (by id hash) is held out: scored, not trained on ...
+    holdout_size: int = 64  # ... while among the most recent held-out records kept per variant
+    # A held-out record pushed out of that window is trained on then: no check scores it again, and
+    # without this one record in holdout_every would never teach anything (12 % at the default).
+    train_after_holdout: bool = True
     min_holdout: int = 16  # fewer held-out records than this: versions are promoted unchecked
     rollback_bd_drop: float = 0.02  # a candidate whose held-out BD is lower by more ...
     rollback_z: float = 2.0  # ... and significantly so (paired z over positions) is rolled back
@@ -178,7 +183,7 @@ class Learner:
         self.clock = clock
         self.variants: dict[VariantKey, _Variant] = {}
         self.counters: dict[str, int] = {
-            "read": 0, "processed": 0, "applied": 0, "held_out": 0, "duplicates": 0, "rejected": 0, "opted_out": 0,
+            "read": 0, "processed": 0, "applied": 0, "held_out": 0, "trained_after_holdout": 0, "duplicates": 0, "rejected": 0, "opted_out": 0,
             "over_budget": 0, "not_learnable": 0, "dead_lettered": 0, "errors": 0, "steps": 0,
             "published": 0, "promoted": 0, "rollbacks": 0, "acked": 0,
         }
@@ -303,28 +308,39 @@ class Learner:
             return
         if is_held_out(record.record_id, self.config.holdout_every):
             variant.holdout.append(record)
-            while len(variant.holdout) > self.config.holdout_size:
-                variant.holdout.popleft()
             self.counters["held_out"] += 1
+            while len(variant.holdout) > self.config.holdout_size:
+                # Its effect lands in this record's commit, with the window it left: a crash before
+                # that restores the window with it inside, and the redelivered record evicts it again.
+                evicted = variant.holdout.popleft()
+                if self.config.train_after_holdout and self._train_on(variant, evicted):
+                    self.counters["trained_after_holdout"] += 1
         else:
-            used = variant.usage.setdefault(record.tenant, [0, 0])
-            over = (self.config.budget_records and used[0] + 1 > self.config.budget_records) or \
-                   (self.config.budget_tokens and used[1] + record.positions > self.config.budget_tokens)
-            if over:
-                self.counters["over_budget"] += 1
+            if not self._train_on(variant, record):
                 self._ack([delivery.entry_id])
                 return
-            used[0] += 1
-            used[1] += record.positions
-            variant.batch.append(record)
-            if len(variant.batch) >= self.config.batch_records:
-                self._train(variant)
             self.counters["applied"] += 1
         self._remember(variant, record.record_id)
         if not variant.uncommitted:
             variant.first_uncommitted = self.clock()
         variant.uncommitted.append(delivery.entry_id)
         variant.uncommitted_ids.add(delivery.entry_id)
+
+    def _train_on(self, variant: _Variant, record: FeedbackRecord) -> bool:
+        """Add ``record`` to the variant's next gradient step; False (counted) when its tenant's
+        training budget is spent."""
+        used = variant.usage.setdefault(record.tenant, [0, 0])
+        over = (self.config.budget_records and used[0] + 1 > self.config.budget_records) or \
+               (self.config.budget_tokens and used[1] + record.positions > self.config.budget_tokens)
+        if over:
+            self.counters["over_budget"] += 1
+            return False
+        used[0] += 1
+        used[1] += record.positions
+        variant.batch.append(record)
+        if len(variant.batch) >= self.config.batch_records:
+            self._train(variant)
+        return True
 
     def _remember(self, variant: _Variant, record_id: str) -> None:
         variant.applied[record_id] = None

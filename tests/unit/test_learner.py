@@ -156,6 +156,50 @@ def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, record
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("where", ["before_checkpoint", "before_ack"])
+def test_held_out_records_train_once_after_leaving_the_window(tmp_path, zoo_base, records, where):
+    # Every third record is held out; the window keeps the last 2; versions go unchecked (min_holdout).
+    settings = dict(publish_every=5, read_count=4, holdout_every=3, holdout_size=2, min_holdout=100)
+    stream_records = records[:20]
+    held = [r for r in stream_records if is_held_out(r.record_id, 3)]
+    assert len(held) >= 4  # the test needs evictions
+
+    reference = make_learner(tmp_path / "reference", filled(stream_records), zoo_base, **settings)
+    reference.drain()
+    counters, variant = reference.counters, reference.variants[KEY]
+    assert counters["held_out"] == len(held) and counters["applied"] == 20 - len(held)
+    assert counters["trained_after_holdout"] == len(held) - 2  # all but the window's last two
+    assert [r.record_id for r in variant.holdout] == [r.record_id for r in held[-2:]]
+    assert counters["steps"] == variant.learner.state_dict()["steps"] == 18
+
+    off = make_learner(tmp_path / "off", filled(stream_records), zoo_base, train_after_holdout=False, **settings)
+    off.drain()
+    assert off.counters["trained_after_holdout"] == 0 and off.counters["steps"] == 20 - len(held)
+
+    # A crash in the second commit: the redelivered records evict (and train) the same held-out
+    # records once, and the learner ends where the uninterrupted one did.
+    stream = filled(stream_records)
+    first = make_learner(tmp_path / "run", stream, zoo_base, **settings)
+    if where == "before_checkpoint":
+        first.store.save_state = CrashOn(first.store.save_state, 2)
+    else:
+        stream.ack = CrashOn(stream.ack, 2)
+    with pytest.raises(Crash):
+        for _ in range(10):
+            first.poll(0.0)
+    del first
+    second = make_learner(tmp_path / "run", stream, zoo_base, consumer="learner-2", claim_idle_s=0.0, **settings)
+    second.recover()
+    second.drain()
+    assert stream.pending() == 0 and stream.backlog() == 0
+    got = second.variants[KEY]
+    assert [r.record_id for r in got.holdout] == [r.record_id for r in held[-2:]]
+    want_state, got_state = variant.learner.state_dict(), got.learner.state_dict()
+    assert want_state["steps"] == got_state["steps"] == 18
+    for a, b in zip(want_state["members"], got_state["members"]):
+        assert_same_state(a, b)
+
+
 # --- rollback -----------------------------------------------------------------------------------
 
 
