@@ -107,6 +107,17 @@ class CrashOn:
         return self.inner(*args, **kwargs)
 
 
+def crash_in_second_commit(learner: Learner, stream, where: str) -> None:
+    """Run ``learner`` until its second commit dies before its checkpoint or before acknowledging."""
+    if where == "before_checkpoint":
+        learner.store.save_state = CrashOn(learner.store.save_state, 2)
+    else:
+        stream.ack = CrashOn(stream.ack, 2)
+    with pytest.raises(Crash):
+        for _ in range(10):
+            learner.poll(0.0)
+
+
 @pytest.mark.parametrize("algorithm", ["optimistic", "hedge", "optimistic+grow"])
 @pytest.mark.parametrize("where", ["before_checkpoint", "before_ack"])
 def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, records, where, algorithm):
@@ -121,13 +132,7 @@ def test_crash_redelivers_and_each_record_counts_once(tmp_path, zoo_base, record
 
     stream = filled(stream_records)
     first = make_learner(tmp_path / "run", stream, zoo_base, **settings)
-    if where == "before_checkpoint":
-        first.store.save_state = CrashOn(first.store.save_state, 2)
-    else:
-        stream.ack = CrashOn(stream.ack, 2)
-    with pytest.raises(Crash):
-        for _ in range(10):
-            first.poll(0.0)
+    crash_in_second_commit(first, stream, where)
     # Commit 1 (records 1-8) went through; commit 2 (records 9-16) died before its checkpoint or
     # right after it, before acknowledging: records 9-16 are pending, 17-20 never delivered.
     assert stream.pending() == 8 and stream.backlog() == 4
@@ -180,13 +185,7 @@ def test_held_out_records_train_once_after_leaving_the_window(tmp_path, zoo_base
     # records once, and the learner ends where the uninterrupted one did.
     stream = filled(stream_records)
     first = make_learner(tmp_path / "run", stream, zoo_base, **settings)
-    if where == "before_checkpoint":
-        first.store.save_state = CrashOn(first.store.save_state, 2)
-    else:
-        stream.ack = CrashOn(stream.ack, 2)
-    with pytest.raises(Crash):
-        for _ in range(10):
-            first.poll(0.0)
+    crash_in_second_commit(first, stream, where)
     del first
     second = make_learner(tmp_path / "run", stream, zoo_base, consumer="learner-2", claim_idle_s=0.0, **settings)
     second.recover()
