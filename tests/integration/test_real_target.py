@@ -73,13 +73,17 @@ def test_bench_served_embedded_worker_answers_like_the_engine(engine: EmbeddedEn
 
     worker = EmbeddedWorker(settings_from_env().home, ["ngram"], k=5, max_new_tokens=16, policy="metasd-ucb")
     try:
-        tokens, wall = worker.generate(PROMPTS[1])
+        tokens, wall, split = worker.generate(PROMPTS[1])
     finally:
         worker.close()
     ids = engine.encode_prompt(PROMPTS[1])
     here = engine.generate(ids, SamplingParams(max_new_tokens=16, stop_token_ids=engine.stop_token_ids()), drafter=None)
     assert tokens == here.token_ids
     assert wall > 0
+    # Where its time went: the parts of the split add up to the request's wall time.
+    assert split["rounds"] >= 1 and split["wall_s"] == wall and split["verify_forward_s"] > 0
+    parts = ("draft_forward_s", "draft_reach_s", "verify_forward_s", "verify_reach_s", "loop_other_s", "outside_loop_s")
+    assert sum(split[p] for p in parts) == pytest.approx(wall)
     assert not worker._process.is_alive()
 
 
