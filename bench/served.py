@@ -114,10 +114,7 @@ def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_toke
             started = time.perf_counter()
             result = engine.generate(ids, params, k=k, session_id=uuid.uuid4().hex, policy=policy, pool=pool)
             wall = time.perf_counter() - started
-            rounds = result.rounds
-            split = time_split(rounds=len(rounds), wall_s=wall, loop_s=result.wall_s,
-                               draft_s=sum(r.draft_s for r in rounds), draft_forward_s=sum(r.draft_forward_s for r in rounds),
-                               verify_s=sum(r.verify_s for r in rounds), verify_forward_s=sum(r.verify_forward_s for r in rounds))
+            split = time_split(rounds=len(result.rounds), wall_s=wall, loop_s=result.wall_s, **result.call_seconds())
             conn.send(("ok", (list(result.token_ids), wall, split)))
         except Exception as exc:  # noqa: BLE001
             conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -275,10 +275,11 @@ def batch_sequences(records: Sequence[FeedbackRecord], bonus: bool = True,
             chains.append(([i], list(r.context), first_draft_token(r) - len(r.context)))
     merged: list[tuple[list[int], list[int], int]] = []
     for members in sessions.values():
+        session_first = len(merged)  # chains from here on are this session's
         for i in sorted(members, key=lambda i: records[i].position):
             r = records[i]
             r_start = r.position - len(r.context)
-            if merged and merged[-1][0][0] in members:
+            if len(merged) > session_first:
                 chain, tokens, start = merged[-1]
                 end = start + len(tokens)
                 if start <= r_start <= end <= r.position and tokens[r_start - start:] == list(r.context[: end - r_start]):

@@ -96,6 +96,11 @@ class GenerationResult:
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0
 
+    def call_seconds(self) -> dict[str, float]:
+        """The drafters' and the target's call and forward times, summed over rounds."""
+        return {key: sum(getattr(r, key) for r in self.rounds)
+                for key in ("draft_s", "draft_forward_s", "verify_s", "verify_forward_s")}
+
     def rounds_by_drafter(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for record in self.rounds:

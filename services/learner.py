@@ -183,8 +183,8 @@ class Learner:
         self.clock = clock
         self.variants: dict[VariantKey, _Variant] = {}
         self.counters: dict[str, int] = {
-            "read": 0, "processed": 0, "applied": 0, "held_out": 0, "trained_after_holdout": 0, "duplicates": 0, "rejected": 0, "opted_out": 0,
-            "over_budget": 0, "not_learnable": 0, "dead_lettered": 0, "errors": 0, "steps": 0,
+            "read": 0, "processed": 0, "applied": 0, "held_out": 0, "trained_after_holdout": 0, "duplicates": 0,
+            "rejected": 0, "opted_out": 0, "over_budget": 0, "not_learnable": 0, "dead_lettered": 0, "errors": 0, "steps": 0,
             "published": 0, "promoted": 0, "rollbacks": 0, "acked": 0,
         }
         self.rejected: dict[str, int] = {}  # reason -> count

@@ -300,8 +300,7 @@ class RouterCore:
             mean_accepted_length=len(tokens) / len(rounds) if rounds else 0.0,
             rounds_by_drafter=result.rounds_by_drafter(),
             draft_tokens=sum(r.proposed for r in rounds), accepted_tokens=sum(r.accepted for r in rounds),
-            wall_s=result.wall_s, draft_s=sum(r.draft_s for r in rounds), verify_s=sum(r.verify_s for r in rounds),
-            draft_forward_s=sum(r.draft_forward_s for r in rounds), verify_forward_s=sum(r.verify_forward_s for r in rounds),
+            wall_s=result.wall_s, **result.call_seconds(),
         )
         return Outcome(prepared.session_id, list(tokens), self.decode(tokens), finish, stats, tail)
 

@@ -38,8 +38,8 @@ DRAFTER_IMPORT_PATH = "services.serve_app:build_drafter_app"
 # Ray Serve settings for a data path of two deployment calls per round (propose, verify), each a
 # few milliseconds of a ~100 ms round. Every Ray process reads them from its environment at start:
 # `specpool serve` sets them (unless already set) before it starts Ray, and k8s/rayservice.yaml on
-# every container. Measured on 2 cores (bench/results/served/README.md): a handle call 4.3 -> 2.7 ms,
-# the idle cluster's CPU 27 % -> 18 % of a core.
+# every container. Measured on 2 cores: a deployment call from a driver thread 4.3 -> 2.7 ms (median
+# of 280), the idle cluster's CPU 27 % -> 18 % of a core.
 SERVE_ENV = {
     # Replicas run our async methods on Serve's own event loop, not a second one in another thread:
     # one thread hop less per call. Everything that blocks already runs in our own executors.
