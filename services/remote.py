@@ -10,6 +10,9 @@ Transport: with ``transport="grpc"`` (the default) each call is a deployment-han
 gRPC server (the request and response are the specpool.v1 protobuf messages); "actor" uses Ray
 actor calls instead.
 
+Same-node direct calls (``services/direct.py``): after a session's first call through Serve, its
+later calls go straight to the replica that answered when it runs on the router's node.
+
 Session affinity: every call carries the session id (``handle.options(session_id=...)``) and the
 model deployments route with Serve's consistent-hash request router, so all rounds of a session
 reach the replica holding its KV cache. When that replica dies, the ring moves the session to
@@ -27,6 +30,7 @@ from typing import Any
 from drafters.base import CostMeter, Proposal
 from router.errors import ModelUnavailable, SpecpoolError
 from services import convert
+from services.direct import DirectRoutes
 from services.gen.specpool.v1 import common_pb2
 from services.status import is_unavailable, unwrap
 from target.sampling import SamplingParams
@@ -36,13 +40,27 @@ from target.verifier import VerifyRequest, VerifyResult
 class DeploymentCaller:
     """Blocking calls to one deployment, with session affinity and retries on lost replicas."""
 
-    def __init__(self, handle: Any, what: str, transport: str = "grpc", retry_s: float = 60.0):
+    def __init__(self, handle: Any, what: str, transport: str = "grpc", retry_s: float = 60.0,
+                 direct: DirectRoutes | None = None):
         self.handle = handle
         self.what = what  # "the target", "drafter 'code'": for messages
         self.by_reference = transport == "actor"
         self.retry_s = retry_s
+        self.direct = direct  # same-node direct routes per session (services/direct.py); None: Serve only
 
     def call(self, method: str, message: Any, session_id: str = "") -> Any:
+        if self.direct is None or not session_id:
+            return self._through_serve(method, message, session_id)
+        response = self.direct.call(method, message, session_id)
+        if response is None:  # no route yet, or its replica is gone
+            response = self._through_serve(method, message, session_id)
+        if method == "Release":
+            self.direct.forget(session_id)
+        else:
+            self.direct.learn(session_id, response)
+        return response
+
+    def _through_serve(self, method: str, message: Any, session_id: str) -> Any:
         deadline = time.monotonic() + self.retry_s
         delay = 0.05
         while True:

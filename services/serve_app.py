@@ -24,6 +24,13 @@ How the pieces talk (see also ``services/remote.py``):
   with session affinity and ``@serve.batch``, while the messages are the versioned protos; a
   private gRPC port per replica would need its own discovery and load balancing and would bypass
   batching and affinity. (``transport: actor`` in the router args switches to Ray actor calls.)
+- **Same-node direct routes** (``services/direct.py``): each model replica also answers on a
+  loopback gRPC endpoint, opened on first use, whose address and token ride on every response.
+  After a session's first call through Serve, the router sends that session's later calls there
+  when the replica is on its node: the same methods on the same event loop (so batching and the
+  model thread are shared), without Serve's per-call routing and wrappers. A route that stops
+  answering sends the session back through Serve. ``direct_calls: false`` in the router args
+  turns this off.
 - **Session affinity**: the target and drafter deployments use Serve's consistent-hash request
   router keyed by the session id the router puts on every call, so all rounds of a session reach
   the replica holding its KV cache. (Model multiplexing with the session id as model id was the
@@ -53,6 +60,7 @@ from ray.serve.config import RequestRouterConfig
 from router.errors import NotFound
 from services import convert
 from services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
+from services.direct import DirectEndpoint, DirectRoutes
 from services.gen.specpool.v1 import common_pb2, drafter_pb2, specpool_pb2, target_pb2
 from services.serve_config import REPLICA_SWITCH_INTERVAL_S, DrafterArgs, RouterArgs, TargetArgs
 from services.status import grpc_status
@@ -103,6 +111,13 @@ def _replica() -> dict:
             "replica_id": serve.get_replica_context().replica_id.unique_id}
 
 
+async def _offer_route(endpoint: DirectEndpoint, response) -> None:
+    """Put this replica's same-node route on a response (services/direct.py)."""
+    route = await endpoint.route()
+    if route is not None:
+        response.direct.CopyFrom(route)
+
+
 def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids, as the embedded engine finds them (EmbeddedEngine.stop_token_ids)."""
     ids = {tokenizer.eos_token_id}
@@ -142,6 +157,7 @@ class TargetServer:
         self._queued: set[str] = set()  # sessions with a call in the batch queue
         self._verify_batch.set_max_batch_size(1)
         self._verify_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
+        self._direct = DirectEndpoint("target", {"Verify": self.Verify, "Release": self.Release})
 
     async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """Batching (``@serve.batch`` below) of calls that do not arrive in step.
@@ -166,7 +182,9 @@ class TargetServer:
             self._queued.discard(session)
         if isinstance(result, BaseException):
             raise result
-        return convert.verify_result_to_proto(result)
+        response = convert.verify_result_to_proto(result)
+        await _offer_route(self._direct, response)
+        return response
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
     async def _verify_batch(self, requests: list) -> list:
@@ -218,8 +236,8 @@ class TargetServer:
         return await loop.run_in_executor(self._model_thread, lambda: sorted(self._cached_sessions()))
 
     async def Stats(self) -> dict:
-        """Batches run by size: {size: count}."""
-        return {"batch_sizes": dict(self._batch_sizes)}
+        """Batches run by size: {size: count}; calls that came over the direct route."""
+        return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls}
 
     async def Replica(self) -> dict:
         return _replica()
@@ -256,6 +274,7 @@ class DrafterServer:
                 logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
         self._live: set[str] = set()
+        self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release})
 
     async def Propose(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
         args = convert.propose_request_from_proto(request)
@@ -263,7 +282,9 @@ class DrafterServer:
             raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
         loop = asyncio.get_running_loop()
         proposal, version = await loop.run_in_executor(self._model_thread, self._propose, args)
-        return convert.proposal_to_proto(proposal, version)
+        response = convert.proposal_to_proto(proposal, version)
+        await _offer_route(self._direct, response)
+        return response
 
     def _propose(self, args):
         self._live.add(args.session_id)
@@ -293,6 +314,10 @@ class DrafterServer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._model_thread, lambda: sorted(self._live))
 
+    async def Stats(self) -> dict:
+        """Calls that came over the direct route."""
+        return {"direct_calls": self._direct.calls}
+
 
 def build_drafter_app(args: dict | None = None):
     parsed = DrafterArgs.parse(args)
@@ -316,6 +341,7 @@ class RouterServer:
     bandit state per session in Redis, the target and drafters called through their deployments."""
 
     async def __init__(self, args: RouterArgs):
+        import ray
         from transformers import AutoTokenizer
 
         from router.session_store import RedisSessionStore
@@ -330,6 +356,15 @@ class RouterServer:
         target = serve.get_deployment_handle("Target", app_name=args.target_app)
         info = await target.options(method_name="Info").remote()
         drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps}
+        node = ray.get_runtime_context().get_node_id()
+        self._direct: list[DirectRoutes] = []
+
+        def routes(service: str) -> DirectRoutes | None:
+            if not args.direct_calls:
+                return None
+            self._direct.append(DirectRoutes(service, node))
+            return self._direct[-1]
+
         infos = await asyncio.gather(*(h.options(method_name="Info").remote() for h in drafter_handles.values()))
         drafters = {}
         for (name, handle), drafter_info in zip(drafter_handles.items(), infos):
@@ -338,7 +373,8 @@ class RouterServer:
             fingerprint = drafter_info["tokenizer_fingerprint"]
             if fingerprint is not None:
                 check_same_tokenizer(info["tokenizer_fingerprint"], fingerprint, name)
-            drafters[name] = RemoteDrafter(name, DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s), fingerprint)
+            drafters[name] = RemoteDrafter(name, DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s,
+                                                                  routes("drafter")), fingerprint)
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
@@ -346,7 +382,7 @@ class RouterServer:
             tokenizer,
             ModelInfo(info["model"], tuple(info["stop_token_ids"]), info["context_window"], info["tokenizer_fingerprint"]),
             drafters,
-            RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s)),
+            RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"))),
             self.store,
             RouterSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta),
             RayMetrics(),
@@ -478,6 +514,10 @@ class RouterServer:
         return SessionKey("health", "probe")
 
     # -- introspection (deployment handles only; not on the gRPC API) ------------------------------
+    async def Direct(self) -> dict:
+        """Calls this replica made over same-node direct routes, and those that fell back to Serve."""
+        return {"calls": sum(r.calls for r in self._direct), "fallbacks": sum(r.fallbacks for r in self._direct)}
+
     async def Active(self) -> list[tuple[str, str]]:
         """(tenant, session) of the requests running on this replica."""
         return self.core.active_sessions()

@@ -50,6 +50,15 @@ SERVE_ENV = {
     # replica react up to 0.4 s later; requests do not pass through it.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
+# `specpool serve` (local) runs Ray's background processes at this niceness, the lowest priority
+# (services/local_serve.py, lower_daemon_priority); the replicas and the proxy stay at 0.
+DAEMON_NICENESS = 19
+# Serve's logging for the target and drafter applications (a Serve config's per-application
+# `logging_config`): warnings only, no access log. Their calls are internal, two per round of every
+# session; at Serve's default (INFO, access log on) each one also formats and buffers a log line,
+# which py-spy showed as the largest item of a drafter replica's per-call work after our own code.
+# The router application keeps Serve's default: one access-log line per client request.
+MODEL_APP_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 # GIL switch interval in every replica (services/serve_app.py, _quick_thread_switches): 0.5 ms
 # instead of CPython's 5 ms. 0.1 ms measured no better.
 REPLICA_SWITCH_INTERVAL_S = 0.0005
@@ -154,6 +163,9 @@ class RouterArgs:
     max_new_tokens: int = 128  # when a request leaves max_new_tokens at 0 (the embedded engine's default)
     retry_s: float = 60.0  # how long a round retries a model server that is unavailable (replica replaced)
     transport: str = "grpc"  # "grpc": calls to the target and drafters travel over Serve's replica gRPC; "actor": Ray actor calls
+    # After a session's first call through Serve, call the replica holding its caches directly when
+    # it is on the router's node (services/direct.py); false: every call through Serve.
+    direct_calls: bool = True
     # Online learning: every verified round becomes a record on this Redis stream (at redis_url)
     # for `specpool learner`; the target then also returns its top-K p per position.
     feedback: bool = False
@@ -221,6 +233,10 @@ class RouterArgs:
             if args["transport"] not in ("grpc", "actor"):
                 raise InvalidArgument(f"{where}: transport must be grpc or actor, got {args['transport']!r}")
             out["transport"] = args["transport"]
+        if "direct_calls" in args:
+            if not isinstance(args["direct_calls"], bool):
+                raise InvalidArgument(f"{where}: direct_calls must be true or false, got {args['direct_calls']!r}")
+            out["direct_calls"] = args["direct_calls"]
         if "feedback" in args:
             if not isinstance(args["feedback"], bool):
                 raise InvalidArgument(f"{where}: feedback must be true or false, got {args['feedback']!r}")
@@ -386,6 +402,7 @@ def default_serve_config(
             "name": drafter_app_name(name),
             "route_prefix": None,
             "import_path": DRAFTER_IMPORT_PATH,
+            "logging_config": dict(MODEL_APP_LOGGING),
             "args": {"name": name, "target": DEFAULT_TARGET, "device": "cpu", "num_replicas": 1,
                      "ray_actor_options": {"num_cpus": 0.5 if name.startswith("ngram") else 1, "num_gpus": 0},
                      "torch_threads": 1},
@@ -409,6 +426,7 @@ def default_serve_config(
                 "name": "target",
                 "route_prefix": None,
                 "import_path": TARGET_IMPORT_PATH,
+                "logging_config": dict(MODEL_APP_LOGGING),
                 "args": {"model": DEFAULT_TARGET, "device": "cpu", "dtype": "auto", "cache_capacity": 64,
                          "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "num_replicas": 1,
                          "ray_actor_options": {"num_cpus": cores, "num_gpus": 0}},
@@ -424,6 +442,7 @@ class ServeApp:
     route_prefix: str | None
     import_path: str
     args: dict
+    logging_config: dict | None = None  # Serve's per-application LoggingConfig; None: Serve's default
 
 
 @dataclass(frozen=True)
@@ -475,7 +494,7 @@ def plan_from_config(config: Any, source: str = "the Serve config") -> ServePlan
                                   f"{TARGET_IMPORT_PATH}, {DRAFTER_IMPORT_PATH}; got {import_path!r}")
         args = dict(raw.get("args") or {})
         route = raw.get("route_prefix", "/" if import_path == ROUTER_IMPORT_PATH else None)
-        apps.append(ServeApp(name, route, import_path, args))
+        apps.append(ServeApp(name, route, import_path, args, _logging_config(f"{source}: application {name!r}", raw.get("logging_config"))))
     names = [a.name for a in apps]
     if len(set(names)) != len(names):
         raise InvalidArgument(f"{source}: application names repeat: {names}")
@@ -511,6 +530,24 @@ def plan_from_config(config: Any, source: str = "the Serve config") -> ServePlan
     order = [a for a in apps if a.import_path != ROUTER_IMPORT_PATH] + routers
     return ServePlan(tuple(order), port, functions, str(http_options.get("host", "127.0.0.1")), http_port,
                      str(config.get("proxy_location", "HeadOnly")))
+
+
+def _logging_config(where: str, value: Any) -> dict | None:
+    """An application's ``logging_config``, checked by Serve's own model (unknown keys, bad levels)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{where}: logging_config must be a mapping, got {type(value).__name__}")
+    from ray.serve.schema import LoggingConfig
+
+    try:
+        LoggingConfig(**value)
+    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, or a TypeError
+        # pydantic: "1 validation error ...", then the field, then the reason [type=...]
+        lines = [line.strip() for line in str(exc).splitlines()[1:3] if line.strip()]
+        reason = ": ".join(lines).split(" [type=", 1)[0] if lines else str(exc)
+        raise InvalidArgument(f"{where}: invalid logging_config ({reason})") from None
+    return dict(value)
 
 
 def load_serve_config(path: Path) -> dict:

@@ -204,6 +204,26 @@ def test_four_concurrent_sessions_are_each_correct(served, client, reference):
     assert batched > 0, f"no verify batch of more than one session: {after}"
 
 
+def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, client, reference):
+    """After a session's first call to each model server (through Serve), its calls go straight to
+    that replica's loopback endpoint (services/direct.py); the answer does not change."""
+    router_before = _call(served.handles.router, "Direct")
+    target_before = _call(served.handles.target, "Stats")["direct_calls"]
+    drafters_before = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values())
+    answer = client.generate(PROMPTS[3], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex)
+    assert answer.token_ids == reference(PROMPTS[3])
+    rounds = answer.stats.rounds
+    target_direct = _call(served.handles.target, "Stats")["direct_calls"] - target_before
+    drafters_direct = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values()) - drafters_before
+    router = _call(served.handles.router, "Direct")
+    # Every verify but the first goes direct; each drafter used is reached through Serve once.
+    assert target_direct == rounds - 1, (target_direct, rounds)
+    # (The last round may draft nothing: k capped to 0.)
+    assert rounds - 2 - len(served.handles.drafters) <= drafters_direct <= rounds - 1, (drafters_direct, rounds)
+    assert router["calls"] - router_before["calls"] == target_direct + drafters_direct
+    assert router["fallbacks"] == router_before["fallbacks"]
+
+
 def test_session_state_is_in_redis_under_the_tenant(served, client, raw_redis):
     tenant, session = f"acme-{uuid.uuid4().hex[:6]}", "chat-1"
     answer = client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)
@@ -378,6 +398,7 @@ def test_a_session_survives_losing_the_target_replica_that_holds_its_cache(serve
     on its replacement, which re-prefills from the full context: the answer is still exact."""
     session = f"survive-{uuid.uuid4().hex[:8]}"
     expected = reference(PROMPTS[2], 48)
+    fallbacks = _call(served.handles.router, "Direct")["fallbacks"]
     tokens: list[int] = []
     killed = None
     for chunk in client.generate_stream(PROMPTS[2], max_new_tokens=48, session_id=session, timeout=300):
@@ -388,6 +409,8 @@ def test_a_session_survives_losing_the_target_replica_that_holds_its_cache(serve
     assert killed is not None
     assert tokens == expected
     assert _call(served.handles.target, "Replica")["replica_id"] != killed["replica_id"]
+    # The session was on the dead replica's direct route; the router went back through Serve.
+    assert _call(served.handles.router, "Direct")["fallbacks"] > fallbacks
 
 
 def test_a_session_continues_after_its_router_replica_is_replaced(served, client, reference, raw_redis):

@@ -39,6 +39,7 @@ def test_router_args_parse_and_keep_the_pool_order():
                              "drafter_apps": {"ngram": "drafter-ngram", "code": "drafter-code"}, "num_replicas": 2,
                              "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}})
     assert args.pool == ["ngram", "code"] and args.k == 3 and args.num_replicas == 2 and args.transport == "grpc"
+    assert args.direct_calls and not RouterArgs.parse({"drafter_apps": {"code": "d"}, "direct_calls": False}).direct_calls
     assert not args.feedback  # online-learning feedback is opt-in
     learning = RouterArgs.parse({"drafter_apps": {"code": "d"}, "feedback": True, "feedback_stream": "fb",
                                  "feedback_top_k": 32, "feedback_opt_out": ["acme", "beta.co"]})
@@ -60,6 +61,7 @@ def test_router_args_parse_and_keep_the_pool_order():
     ({"drafter_apps": {"ngram": "a"}, "ray_actor_options": {"num_cpus": -1}}, "num_cpus must be >= 0"),
     ({"drafter_apps": {"ngram": "a"}, "transport": "udp"}, "transport must be grpc or actor"),
     ({"drafter_apps": {"ngram": "a"}, "feedback": "yes"}, "feedback must be true or false"),
+    ({"drafter_apps": {"ngram": "a"}, "direct_calls": 1}, "direct_calls must be true or false"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_top_k": 65}, "feedback_top_k must be in 1..64"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": "acme"}, "feedback_opt_out must be a list of tenant ids"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": ["bad tenant"]}, "feedback_opt_out must be a list of tenant ids"),
@@ -123,8 +125,19 @@ def test_the_default_config_serves_the_pool():
     assert [a.name for a in plan.apps] == ["target", "drafter-ngram", "drafter-code", "router"]
     assert plan.grpc_port == 50051 and serve_config.GRPC_SERVICER_FUNCTIONS[0] in plan.grpc_servicer_functions
     assert plan.cpus_wanted() == 1 + 2 + 0.5 + 1
+    # The model applications' per-round calls are not access-logged; the router's requests are.
+    assert {a.name: a.logging_config for a in plan.apps} == {
+        "target": serve_config.MODEL_APP_LOGGING, "drafter-ngram": serve_config.MODEL_APP_LOGGING,
+        "drafter-code": serve_config.MODEL_APP_LOGGING, "router": None}
     ray_schema = pytest.importorskip("ray.serve.schema")
     ray_schema.ServeDeploySchema.model_validate(config)  # Serve itself accepts it
+
+
+def test_the_kubernetes_model_applications_log_like_the_default_config():
+    plan = plan_from_config(load_serve_config(REPO / "k8s" / "rayservice.yaml"), "k8s/rayservice.yaml")
+    for app in plan.apps:
+        expected = None if app.name == "router" else serve_config.MODEL_APP_LOGGING
+        assert app.logging_config == expected, app.name
 
 
 @pytest.mark.parametrize("mutate,message", [
@@ -134,6 +147,9 @@ def test_the_default_config_serves_the_pool():
     (lambda c: c["applications"][0]["args"].update(target_app="nothere"), "target_app 'nothere'"),
     (lambda c: c["applications"][1].update(import_path="x.y:z"), "import_path must be one of"),
     (lambda c: c["grpc_options"].update(grpc_servicer_functions=["a.b:c"]), "must include"),
+    (lambda c: c["applications"][1].update(logging_config="quiet"), "logging_config must be a mapping"),
+    (lambda c: c["applications"][1].update(logging_config={"log_level": "LOUD"}), r"invalid logging_config \(log_level: .*LOUD"),
+    (lambda c: c["applications"][1].update(logging_config={"colour": True}), r"invalid logging_config \(colour: Extra inputs"),
 ])
 def test_plan_errors(mutate, message):
     config = default_serve_config(["ngram"], cores=1)
@@ -411,3 +427,67 @@ def test_client_errors_map_to_domain_classes():
     other = error_from_rpc(Rpc(grpc.StatusCode.INTERNAL, "boom"), "a:1")
     assert isinstance(other, RemoteError) and other.code == "INTERNAL" and str(other) == "boom"
     assert json.dumps(api.Stats().as_dict())  # JSON-ready for --json
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from services.local_serve import lower_daemon_priority
+
+    def sleeper(*extra: str) -> list[str]:
+        return [sys.executable, "-c", "import sys, time; time.sleep(60)", *extra]
+
+    # A daemon, a replica and a daemon one level further down (Ray's agents are the raylet's children).
+    # (The marker is joined at run time, so the middle process's own command line does not hold it.)
+    spawn_grandchild = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                        "'import time; time.sleep(60)', 'ray::' + 'DashboardAgent']); time.sleep(60)")
+    children = [subprocess.Popen(sleeper("ray::ServeController")),
+                subprocess.Popen(sleeper("ray::ServeReplica:target:Target")),
+                subprocess.Popen([sys.executable, "-c", spawn_grandchild, "raylet/raylet"])]
+    try:
+        deadline = time.monotonic() + 20
+        grandchild = None
+        while grandchild is None and time.monotonic() < deadline:
+            found = [p for p in os.listdir("/proc") if p.isdigit() and "ray::DashboardAgent" in _cmdline(p)
+                     and _parent(p) == children[2].pid]
+            grandchild = int(found[0]) if found else None
+            time.sleep(0.05)
+        assert grandchild is not None
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        level = min(19, base + 7)
+        lowered = lower_daemon_priority(level)
+        assert lowered == {children[0].pid: "Serve controller", grandchild: "dashboard agent"}
+        assert os.getpriority(os.PRIO_PROCESS, children[0].pid) == level
+        assert os.getpriority(os.PRIO_PROCESS, grandchild) == level
+        assert os.getpriority(os.PRIO_PROCESS, children[1].pid) == base  # a replica keeps its priority
+        assert os.getpriority(os.PRIO_PROCESS, children[2].pid) == base  # and so does the raylet
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # and the caller
+        assert lower_daemon_priority(base) == lowered  # never raises a priority back
+        assert os.getpriority(os.PRIO_PROCESS, children[0].pid) == level
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        if grandchild is not None:
+            try:
+                os.kill(grandchild, 9)
+            except ProcessLookupError:
+                pass
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

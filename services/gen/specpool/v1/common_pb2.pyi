@@ -45,3 +45,13 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class DirectRoute(_message.Message):
+    __slots__ = ("node_id", "address", "token")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    token: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...

@@ -24,15 +24,17 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_top_k: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "tokens", "tv", "target_top_k", "forward_s")
+    __slots__ = ("accepted", "tokens", "tv", "target_top_k", "forward_s", "direct")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TV_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOP_K_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     tv: _containers.RepeatedScalarFieldContainer[float]
     target_top_k: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     forward_s: float
-    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tv: _Optional[_Iterable[float]] = ..., target_top_k: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ...) -> None: ...
+    direct: _common_pb2.DirectRoute
+    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tv: _Optional[_Iterable[float]] = ..., target_top_k: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ..., direct: _Optional[_Union[_common_pb2.DirectRoute, _Mapping]] = ...) -> None: ...
