@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from router.errors import InvalidArgument, ModelUnavailable
-from services.serve_config import DAEMON_NICENESS, DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, SERVE_ENV, RouterArgs, ServePlan
+from services.serve_config import DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, SERVE_ENV, RouterArgs, ServePlan
 
 # Ray's processes that serve no request, by a fragment of their command line: the GCS, the
 # dashboard head and agent, the autoscaler monitor, the log monitor, the runtime-env agent and the
@@ -65,6 +65,9 @@ def check_port_free(port: int, what: str) -> None:
         except OSError:
             continue
         try:
+            # As servers bind (gRPC sets it too): connections of a server that stopped a moment ago
+            # linger in TIME_WAIT on the port for a minute; only a listening socket means taken.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -120,7 +123,11 @@ def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, s
     the slowest thread; the idle cluster's periodic work (about 18 % of a core on 2 cores, mostly
     these daemons) then lands inside forwards. At a low priority it waits for the gaps every
     round has (while a drafter drafts, a core is free). Measured with `specpool bench-served`
-    (6 prompts, 2 cores): the served verify forward 279 -> 252 ms against embedded 245 / 241 ms.
+    (6 prompts, 2 cores, one session): the served verify forward 279 -> 252 ms against embedded
+    245 / 241 ms. Why it is not the default: with 8 concurrent sessions on the same 2 cores the
+    target is busy nearly all the time, and in 3 of 4 runs at niceness 19 the verify batches fell
+    apart (mostly 1 or 2 sessions; 7.1-7.6 tokens/s against 9.1-9.8 without it), so a starved
+    daemon sits on some path we did not pin down. Use it for single-stream latency only.
     Niceness is per thread on Linux, so every thread of each process is set; threads a daemon
     starts later inherit it. Never raises a priority; needs no privileges (same user)."""
     if not os.path.isdir("/proc") or not hasattr(os, "setpriority"):
@@ -152,11 +159,11 @@ def start_local(
     metrics_port: int | None = DEFAULT_METRICS_PORT,
     progress: Callable[[str], None] = lambda message: None,
     log_to_driver: bool = False,
-    daemon_niceness: int | None = DAEMON_NICENESS,
+    daemon_niceness: int | None = None,
 ) -> LocalServe:
     """Start Ray (a new local cluster), Serve and every application of ``plan``; returns when all
-    are RUNNING. Checks first, before Ray starts: Redis reachable, ports free. ``daemon_niceness``:
-    see ``lower_daemon_priority`` (None leaves Ray's processes as Ray starts them)."""
+    are RUNNING. Checks first, before Ray starts: Redis reachable, ports free. ``daemon_niceness``
+    (opt-in; None leaves Ray's processes as Ray starts them): see ``lower_daemon_priority``."""
     import ray
     from ray import serve
     from ray.serve.api import RunTarget

@@ -50,9 +50,6 @@ SERVE_ENV = {
     # replica react up to 0.4 s later; requests do not pass through it.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
-# `specpool serve` (local) runs Ray's background processes at this niceness, the lowest priority
-# (services/local_serve.py, lower_daemon_priority); the replicas and the proxy stay at 0.
-DAEMON_NICENESS = 19
 # Serve's logging for the target and drafter applications (a Serve config's per-application
 # `logging_config`): warnings only, no access log. Their calls are internal, two per round of every
 # session; at Serve's default (INFO, access log on) each one also formats and buffers a log line,

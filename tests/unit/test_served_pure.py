@@ -491,3 +491,23 @@ def _parent(pid: str) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_a_port_is_taken_while_something_listens_not_while_old_connections_linger():
+    import socket
+
+    from services.local_serve import check_port_free
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    with pytest.raises(InvalidArgument, match=f"port {port} .* already in use"):
+        check_port_free(port, "gRPC")
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    client.close()
+    server.close()
+    check_port_free(port, "gRPC")  # a restarted server may bind it again
