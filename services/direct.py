@@ -136,8 +136,7 @@ class DirectRoutes:
         self.calls = 0  # calls made directly (tests)
         self.fallbacks = 0  # direct calls that could not connect and went through Serve instead
         self._routes: OrderedDict[str, common_pb2.DirectRoute] = OrderedDict()
-        self._stubs: dict[str, Any] = {}  # address -> stub (one channel per replica endpoint)
-        self._channels: list[Any] = []
+        self._stubs: dict[str, Any] = {}  # address -> stub (one channel per replica endpoint, kept for the process)
         self._lock = threading.Lock()
 
     def learn(self, session_id: str, response: Any) -> None:
@@ -172,7 +171,6 @@ class DirectRoutes:
                                                                   ("grpc.max_send_message_length", 64 << 20)])
                 stub = (drafter_pb2_grpc.DrafterStub if self.service == "drafter" else target_pb2_grpc.TargetStub)(channel)
                 self._stubs[address] = stub
-                self._channels.append(channel)
             return stub
 
     def call(self, method: str, message: Any, session_id: str) -> Any | None:
@@ -196,14 +194,6 @@ class DirectRoutes:
         with self._lock:
             self.calls += 1
         return response
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels:
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
-            self._routes.clear()
 
 
 def _domain_error(exc: grpc.RpcError) -> SpecpoolError:

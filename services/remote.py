@@ -52,12 +52,12 @@ class DeploymentCaller:
         if self.direct is None or not session_id:
             return self._through_serve(method, message, session_id)
         response = self.direct.call(method, message, session_id)
-        if response is None:  # no route yet, or its replica is gone
+        if response is None:  # no route yet, or its replica is gone: Serve routes it, and its route is kept
             response = self._through_serve(method, message, session_id)
+            if method != "Release":
+                self.direct.learn(session_id, response)
         if method == "Release":
             self.direct.forget(session_id)
-        else:
-            self.direct.learn(session_id, response)
         return response
 
     def _through_serve(self, method: str, message: Any, session_id: str) -> Any:

@@ -436,7 +436,7 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
     import sys
     import time
 
-    from services.local_serve import lower_daemon_priority
+    from services.local_serve import _children, lower_daemon_priority
 
     def sleeper(*extra: str) -> list[str]:
         return [sys.executable, "-c", "import sys, time; time.sleep(60)", *extra]
@@ -452,9 +452,8 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
         deadline = time.monotonic() + 20
         grandchild = None
         while grandchild is None and time.monotonic() < deadline:
-            found = [p for p in os.listdir("/proc") if p.isdigit() and "ray::DashboardAgent" in _cmdline(p)
-                     and _parent(p) == children[2].pid]
-            grandchild = int(found[0]) if found else None
+            found = _children().get(children[2].pid, [])
+            grandchild = found[0] if found else None
             time.sleep(0.05)
         assert grandchild is not None
         base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -477,20 +476,6 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
                 os.kill(grandchild, 9)
             except ProcessLookupError:
                 pass
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def _parent(pid: str) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def test_a_port_is_taken_while_something_listens_not_while_old_connections_linger():
