@@ -47,12 +47,22 @@ both on 1.516 / 0.39, both on with ``--batch-records 8`` 1.510 / 0.26; ``detach_
 1.500 / 0.50; ``--context-tail 32`` 1.485 / 0.52; ``"trainable_blocks": 1`` 1.467 / 0.54, ``0``
 1.307 / 0.35. Replayed records carry their session (the prompt) and position, as served ones do.
 
+``--publish-every N`` drafts with a copy of the learner published after every N trained records,
+as a served learner's versions are, instead of the learner itself after every prompt. With the
+process run's settings (``--records served --confidence 0.4 --batch-records 8``, config
+``{"supervision": "argmax", "copy_window": 64, "grow_vocab": 2048, "lr": 0.003}``; last third,
+frozen 1.261): after every prompt 1.533, every 256 records 1.526, every 768 records 1.531, so a
+version's lag costs little here. At 256: lr 0.004 1.513, 0.006 1.496; two passes 1.514;
+``"copy_window": 128`` with ``--context-tail 128`` 1.522; ``"grow_min_mass": 0.25`` 1.533. The
+served process runs at lr 0.002 and 0.003 gave about 0.02 less than their replays (1.490, 1.506).
+
 It prints the mean accepted length on the first third, the last third and overall.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -184,6 +194,7 @@ def run(args: argparse.Namespace) -> None:
         target, _ = load_causal_lm(ModelConfig(args.target or DEFAULT_TARGET, "cpu", "float32"), settings_from_env().home)
     started, counted, per_prompt, learn_s = time.time(), 0, [], 0.0
     history = []  # every record trained on so far (--rehearse)
+    served, unpublished = None, 0  # --publish-every: the version drafting, records trained since it
     for item in stream:
         if learner is None:
             model = base
@@ -191,6 +202,10 @@ def run(args: argparse.Namespace) -> None:
             model = learner.members[0]
         else:
             model = ZooEnsembleLM(learner.members, learner.served_weights())
+        if args.publish_every and learner is not None:  # draft with the last published copy, as served
+            if served is None or unpublished >= args.publish_every:
+                served, unpublished = copy.deepcopy(model), 0
+            model = served
         rejected = [] if args.records == "served" else None
         rounds = simulate(model.eval(), item, args.confidence, rejected)
         per_prompt.append((len(item["output"]), len(rounds)))
@@ -231,6 +246,7 @@ def run(args: argparse.Namespace) -> None:
                 picks = torch.randint(len(history), (args.batch_records,)).tolist()
                 learner.step(learner.batch([history[i] for i in picks]))
         history.extend(records)
+        unpublished += len(records)
         learn_s += time.perf_counter() - learn_started
     third = len(per_prompt) // 3
 
@@ -243,7 +259,8 @@ def run(args: argparse.Namespace) -> None:
                       "last_third": mean_accepted_length(per_prompt[-third:]),
                       "all": mean_accepted_length(per_prompt), "seconds": round(time.time() - started),
                       "learn_s_per_prompt": round(learn_s / len(per_prompt), 3), "context_tail": args.context_tail,
-                      "confidence": args.confidence, "records": args.records}))
+                      "confidence": args.confidence, "records": args.records,
+                      "publish_every": args.publish_every, "batch_records": args.batch_records}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--batch-records", type=int, default=4)
     r.add_argument("--rehearse", type=float, default=0.0,
                    help="after each prompt, this many times its record count again, drawn from earlier prompts' records")
+    r.add_argument("--publish-every", type=int, default=0,
+                   help="draft with a copy published after this many trained records (0: after every prompt)")
     r.add_argument("--context-tail", type=int, default=CONTEXT_TAIL, help="context tokens a record keeps")
     r.add_argument("--target", default=None)
     r.add_argument("--confidence", type=float, default=0.0,
