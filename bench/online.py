@@ -406,6 +406,9 @@ def add_process_arguments(parser) -> None:
                              "only cycles serving leaves idle")
     parser.add_argument("--publish-every", type=int, default=32,
                         help="with --learner-process: records between published versions (default 32)")
+    parser.add_argument("--commit-after-s", type=float, default=30.0,
+                        help="with --learner-process: ... or seconds after a version's first unpublished record, "
+                             "paused time included (default 30)")
 
 
 def add_forgetting_arguments(parser) -> None:
@@ -467,7 +470,7 @@ def command_line(args: argparse.Namespace) -> str:
         "--out", args.out,
         "--device", args.device, *(["--concurrent"] if args.concurrent else []),
         *(["--learner-process", args.learner_process, "--learner-nice", str(args.learner_nice), "--learner-threads",
-           str(args.learner_threads), "--publish-every", str(args.publish_every),
+           str(args.learner_threads), "--publish-every", str(args.publish_every), "--commit-after-s", str(args.commit_after_s),
            *(["--learner-idle"] if args.learner_idle else [])] if args.learner_process else []), *(["--target", args.target] if args.target else []),
         "--forgetting-prompts", args.forgetting_prompts, "--forgetting-per-category", str(args.forgetting_per_category),
         *(["--forgetting-categories", args.forgetting_categories] if args.forgetting_categories else []),
@@ -538,7 +541,7 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
         concurrent=args.concurrent, out=ONLINE_DEFAULTS["out"] if args.out is None else args.out,
         learner_process=args.learner_process, learner_nice=args.learner_nice, learner_threads=args.learner_threads,
         learner_idle=args.learner_idle,
-        publish_every=args.publish_every,
+        publish_every=args.publish_every, commit_after_s=args.commit_after_s,
         target=args.target, device=args.device, dtype=args.dtype, via_specpool=True,
         forgetting_prompts=args.forgetting_prompts, forgetting_per_category=args.forgetting_per_category,
         forgetting_categories=args.forgetting_categories, forgetting_only=args.forgetting_only,
@@ -579,7 +582,7 @@ class LearnerProcess:
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
                    "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
                    *learner_cost_flags(args), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
-                   "--publish-every", str(args.publish_every), "--no-progress", "--report-every-s", "30",
+                   "--publish-every", str(args.publish_every), "--commit-after-s", str(args.commit_after_s), "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)
         root = str(Path(__file__).resolve().parents[1])  # this checkout's services/, installed or not
@@ -674,6 +677,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     process_mode = getattr(args, "learner_process", None) is not None
     check(not (process_mode and args.concurrent), "give --concurrent or --learner-process, not both")
     check(args.publish_every >= 1 and args.learner_threads >= 1, "--publish-every and --learner-threads must be >= 1")
+    check(args.commit_after_s > 0, f"--commit-after-s must be > 0, got {args.commit_after_s}")
     check(args.batch_records >= 1 and args.context_tail >= 1, "--batch-records and --context-tail must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     check(bool(systems) and all(s in SYSTEMS for s in systems), f"--systems must name some of {', '.join(SYSTEMS)}")

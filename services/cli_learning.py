@@ -87,6 +87,8 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
                        help="feedback records per gradient step (default 1)")
     group.add_argument(*names("--learn-publish-every", "--publish-every"), dest="learn_publish_every", type=int, default=32, metavar="N",
                        help="records of a variant between published versions (default 32)")
+    group.add_argument(*names("--learn-commit-after-s", "--commit-after-s"), dest="learn_commit_after_s", type=float, default=30.0,
+                       metavar="S", help="... or this many seconds after a variant's first unpublished record (default 30)")
     if flag:
         group.add_argument("--learn-feedback", default=None, metavar="URL",
                            help="a Redis URL: send the feedback to a stream there for a separate `specpool learner` "
@@ -124,6 +126,7 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
     online.validate()
     check(args.learn_budget_records >= 0 and args.learn_budget_tokens >= 0, "learning budgets must be >= 0")
     check(args.learn_publish_every >= 1, f"--learn-publish-every must be >= 1, got {args.learn_publish_every}")
+    check(args.learn_commit_after_s > 0, f"--learn-commit-after-s must be > 0, got {args.learn_commit_after_s}")
     check(args.learn_batch_records >= 1, f"--learn-batch-records must be >= 1, got {args.learn_batch_records}")
     if getattr(args, "learn_feedback", None) is not None:
         settings = {"feedback_url": args.learn_feedback, "feedback_stream": args.learn_stream, **settings}
@@ -131,7 +134,7 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online=online, store=args.learn_store, shared_pool=args.learn_shared,
         opt_out=frozenset(t.strip() for t in args.learn_opt_out.split(",") if t.strip()),
         budget_records=args.learn_budget_records, budget_tokens=args.learn_budget_tokens,
-        publish_every=args.learn_publish_every, batch_records=args.learn_batch_records, drafters=drafters, **settings,
+        publish_every=args.learn_publish_every, commit_after_s=args.learn_commit_after_s, batch_records=args.learn_batch_records, drafters=drafters, **settings,
     )
 
 

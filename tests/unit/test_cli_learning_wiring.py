@@ -288,11 +288,11 @@ def test_learner_short_and_long_option_names_agree():
     parser = build_parser()
     short = parser.parse_args(["learner", "--algo", "hedge", "--store", "/s", "--lr", "0.2", "--hedge-lrs", "0.1,1",
                                "--opt-out", "x", "--budget-records", "7", "--budget-tokens", "9", "--shared",
-                               "--publish-every", "3", "--precondition", "none", "--supervision", "argmax",
-                               "--copy-window", "32", "--merge-records", "--no-detach-context", "--trainable-blocks", "1"])
+                               "--publish-every", "3", "--commit-after-s", "120", "--precondition", "none",
+                               "--supervision", "argmax", "--copy-window", "32", "--merge-records", "--no-detach-context", "--trainable-blocks", "1"])
     long = parser.parse_args(["learner", "--learn-algorithm", "hedge", "--learn-store", "/s", "--learn-lr", "0.2",
                               "--learn-hedge-lrs", "0.1,1", "--learn-opt-out", "x", "--learn-budget-records", "7",
-                              "--learn-budget-tokens", "9", "--learn-shared", "--learn-publish-every", "3",
+                              "--learn-budget-tokens", "9", "--learn-shared", "--learn-publish-every", "3", "--learn-commit-after-s", "120",
                               "--learn-precondition", "none", "--learn-supervision", "argmax", "--learn-copy-window", "32",
                               "--learn-merge-records", "--no-learn-detach-context", "--learn-trainable-blocks", "1"])
     assert vars(short) == vars(long)
@@ -310,8 +310,15 @@ def test_learner_short_and_long_option_names_agree():
     assert default.online.copy_window == OnlineConfig().copy_window
     for option in ("merge_records", "detach_context", "trainable_blocks"):
         assert getattr(default.online, option) == getattr(OnlineConfig(), option)
-    assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every,
-            config.claim_idle_s, config.drafters) == (7, 9, True, 3, 5.0, ("chat",))
+    assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every, config.commit_after_s,
+            config.claim_idle_s, config.drafters) == (7, 9, True, 3, 120.0, 5.0, ("chat",))
+    from services.learner import LearningConfig
+
+    assert default.commit_after_s == LearningConfig().commit_after_s
+    from router.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="commit-after-s must be > 0"):
+        learning_config_from_args(parser.parse_args(["learner", "--commit-after-s", "0"]))
 
 
 # --- specpool bench --online ------------------------------------------------------------------------
@@ -349,7 +356,7 @@ def test_bench_online_options_map_one_to_one():
               "--hedge-lrs", "0.1,0.3", "--precondition", "adagrad", "--batch-records", "2", "--concurrent",
               "--out", "o", "--target", "t", "--device", "cpu", "--forgetting-prompts", "q.jsonl",
               "--forgetting-per-category", "3", "--forgetting-categories", "chat,qa", "--forgetting-only",
-              "--merge-records", "--no-detach-context"]
+              "--merge-records", "--no-detach-context", "--publish-every", "64", "--commit-after-s", "45"]
     assert bench_namespace(["--prompts", "c", "--drafters", "math", *shared]) == \
         online_namespace(["--corpus", "c", "--drafter", "math", *shared])
 
@@ -368,6 +375,7 @@ def test_bench_without_online_keeps_its_defaults():
     (["--in-domain"], ["--in-domain"]),
     (["--limit", "2"], ["--limit must be >= 3"]),
     (["--systems", "frozen,sgd"], ["--systems"]),
+    (["--commit-after-s", "0"], ["--commit-after-s must be > 0"]),
 ])
 def test_bench_online_bad_options(cli, tmp_path, options, fragments):
     corpus = tmp_path / "book.txt"
