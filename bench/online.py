@@ -407,8 +407,8 @@ def add_process_arguments(parser) -> None:
     parser.add_argument("--publish-every", type=int, default=32,
                         help="with --learner-process: records between published versions (default 32)")
     parser.add_argument("--commit-after-s", type=float, default=30.0,
-                        help="with --learner-process: ... or seconds after a version's first unpublished record, "
-                             "paused time included (default 30)")
+                        help="with --learner-process: or publish this many seconds after a version's first "
+                             "unpublished record, paused time included, whichever comes first (default 30)")
 
 
 def add_forgetting_arguments(parser) -> None:
@@ -582,7 +582,8 @@ class LearnerProcess:
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
                    "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
                    *learner_cost_flags(args), "--batch-records", str(args.batch_records), "--supervision", args.supervision,
-                   "--publish-every", str(args.publish_every), "--commit-after-s", str(args.commit_after_s), "--no-progress", "--report-every-s", "30",
+                   "--publish-every", str(args.publish_every), "--commit-after-s", str(args.commit_after_s),
+                   "--no-progress", "--report-every-s", "30",
                    "--target", target, "--device", args.device]
         threads = str(args.learner_threads)
         root = str(Path(__file__).resolve().parents[1])  # this checkout's services/, installed or not

@@ -87,8 +87,10 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
                        help="feedback records per gradient step (default 1)")
     group.add_argument(*names("--learn-publish-every", "--publish-every"), dest="learn_publish_every", type=int, default=32, metavar="N",
                        help="records of a variant between published versions (default 32)")
-    group.add_argument(*names("--learn-commit-after-s", "--commit-after-s"), dest="learn_commit_after_s", type=float, default=30.0,
-                       metavar="S", help="... or this many seconds after a variant's first unpublished record (default 30)")
+    group.add_argument(*names("--learn-commit-after-s", "--commit-after-s"), dest="learn_commit_after_s", type=float,
+                       default=30.0, metavar="S",
+                       help="or publish this many seconds after a variant's first unpublished record, "
+                            "whichever comes first (default 30)")
     if flag:
         group.add_argument("--learn-feedback", default=None, metavar="URL",
                            help="a Redis URL: send the feedback to a stream there for a separate `specpool learner` "
@@ -134,7 +136,8 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
         online=online, store=args.learn_store, shared_pool=args.learn_shared,
         opt_out=frozenset(t.strip() for t in args.learn_opt_out.split(",") if t.strip()),
         budget_records=args.learn_budget_records, budget_tokens=args.learn_budget_tokens,
-        publish_every=args.learn_publish_every, commit_after_s=args.learn_commit_after_s, batch_records=args.learn_batch_records, drafters=drafters, **settings,
+        publish_every=args.learn_publish_every, commit_after_s=args.learn_commit_after_s,
+        batch_records=args.learn_batch_records, drafters=drafters, **settings,
     )
 
 
