@@ -50,6 +50,7 @@ def command_line(args: argparse.Namespace) -> str:
         "--limit-per-category", str(args.limit_per_category), "--max-new-tokens", str(args.max_new_tokens),
         "-k", str(args.k), "--beta", str(args.beta), "--store", args.store, "--seed", str(args.seed),
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
+        "--cpu-linear", args.cpu_linear,
     ])
 
 
@@ -81,7 +82,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"specpool bench: loading {args.target} and pool {', '.join(pool)} ...", file=sys.stderr)
-    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype, args.cpu_linear),
                                          drafter_device=args.device, drafter_dtype=args.dtype), store=store)
     for name in pool:
         engine.drafter(name)

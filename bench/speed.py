@@ -31,6 +31,7 @@ from router.errors import InvalidArgument, NotFound, check
 
 WARMUP_PROMPT = "Say hello."
 IN_DOMAIN = "in-domain"
+IN_DOMAIN_LOOKUP = "in-domain+lookup"  # lookup:DRAFTER (drafters/lookup_first.py) for the same drafter
 # Spec-Bench categories -> the shipped zoo drafter trained for them (drafters/zoo_data.py).
 IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
                       "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
@@ -48,6 +49,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output folder (default bench/results/latest)")
     parser.add_argument("--in-domain", action="store_true",
                         help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
+    parser.add_argument("--in-domain-lookup", action="store_true",
+                        help="also run system 'in-domain+lookup': the same drafter behind prompt lookup (lookup:DRAFTER)")
     policies = parser.add_argument_group("policies (bench/policies.py): drafter selection on a shuffled, mixed stream")
     policies.add_argument("--policies", default=None,
                           help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
@@ -126,7 +129,8 @@ def command_line(args: argparse.Namespace) -> str:
         "specpool", "bench", "--prompts", str(args.prompts), "--limit-per-category", str(args.limit_per_category),
         "--max-new-tokens", str(args.max_new_tokens), "--drafters", args.drafters, "-k", str(args.k),
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
-    ] + (["--in-domain"] if args.in_domain else []))
+        "--cpu-linear", args.cpu_linear,
+    ] + (["--in-domain"] if args.in_domain else []) + (["--in-domain-lookup"] if args.in_domain_lookup else []))
 
 
 def machine_info(device: str) -> dict:
@@ -161,7 +165,8 @@ class Run:
     result: object | None = None  # our GenerationResult; None for HF systems
 
 
-def build_systems(engine, specs: list[str], k: int, in_domain: bool = False) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
+def build_systems(engine, specs: list[str], k: int, in_domain: bool = False,
+                  in_domain_lookup: bool = False) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
     """name -> (ours, run(prompt_ids, max_new_tokens, category)). Each run times only the generate call."""
     import torch
     from transformers import PreTrainedModel
@@ -200,11 +205,15 @@ def build_systems(engine, specs: list[str], k: int, in_domain: bool = False) -> 
     systems = {report.TARGET: (True, ours(None))}
     for spec in specs:
         systems[spec] = (True, ours(spec))
-    if in_domain:
-        by_category = {c: ours(d) for c, d in IN_DOMAIN_DRAFTERS.items()}
-        for drafter in set(IN_DOMAIN_DRAFTERS.values()):
-            engine.drafter(drafter)  # load (and check) before timing
-        systems[IN_DOMAIN] = (True, lambda prompt_ids, n, category: by_category.get(category, ours("general"))(prompt_ids, n, category))
+    for system, wanted, prefix in ((IN_DOMAIN, in_domain, ""), (IN_DOMAIN_LOOKUP, in_domain_lookup, "lookup:")):
+        if not wanted:
+            continue
+        by_category = {c: ours(prefix + d) for c, d in IN_DOMAIN_DRAFTERS.items()}
+        fallback = ours(prefix + "general")
+        for drafter in {*IN_DOMAIN_DRAFTERS.values(), "general"}:
+            engine.drafter(prefix + drafter)  # load (and check) before timing
+        systems[system] = (True, lambda prompt_ids, n, category, by_category=by_category, fallback=fallback:
+                           by_category.get(category, fallback)(prompt_ids, n, category))
     for spec in specs:
         drafter = engine.drafter(spec)
         # HF's assisted generation needs a transformers model as assistant (hf:, early-exit:).
@@ -269,9 +278,9 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"specpool bench: loading {args.target} and drafters {', '.join(specs)} ...", file=sys.stderr)
-    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype),
+    engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype, args.cpu_linear),
                                          drafter_device=args.device, drafter_dtype=args.dtype))
-    systems = build_systems(engine, specs, args.k, args.in_domain)
+    systems = build_systems(engine, specs, args.k, args.in_domain, args.in_domain_lookup)
     names = list(systems)
     prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
 
@@ -315,7 +324,8 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     config = {
         "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
         "drafters": specs, "systems": names,
-        "in_domain_drafters": IN_DOMAIN_DRAFTERS if args.in_domain else None, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "in_domain_drafters": IN_DOMAIN_DRAFTERS if args.in_domain or args.in_domain_lookup else None,
+        "cpu_linear": args.cpu_linear, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
         "prompts_file": str(prompts_path), "n_prompts": n_done, "limit_per_category": args.limit_per_category,
         "categories": categories, "stop_token_ids": list(engine.stop_token_ids()),
         "hf_assisted": {"num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},

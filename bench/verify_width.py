@@ -29,7 +29,7 @@ from bench.verify_batch import summary
 from services.config import settings_from_env
 from target.rejection import SparseDist
 from target.sampling import SamplingParams
-from target.verifier import CPU_FORWARD_WIDTHS, TargetVerifier, VerifyRequest, forward_width
+from target.verifier import TargetVerifier, VerifyRequest, forward_width
 
 MAX_DRAFTS = 7  # forward widths 1..8
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {
         "command": "python -m bench.verify_width " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "target": "smollm2-135m-instruct", "machine": machine_info("cpu"), "widths": list(CPU_FORWARD_WIDTHS),
+        "target": "smollm2-135m-instruct", "machine": machine_info("cpu"), "widths": list(padded.forward_widths),
         "reps": args.reps, "prompts": len(contexts),
         "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
         "rows": rows, "mismatches": mismatches,

@@ -75,5 +75,6 @@ def _load_builtin_kinds() -> None:
     # Imported here, not at the top, so that ``drafters.registry`` stays importable without torch
     # models loaded; each module registers its kinds on import.
     import drafters.hf_model  # noqa: F401
+    import drafters.lookup_first  # noqa: F401
     import drafters.ngram  # noqa: F401
     import drafters.zoo  # noqa: F401

@@ -37,6 +37,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: embedded name, folder or hub id (default {DEFAULT_TARGET})")
     parser.add_argument("--device", default="cpu", help="device for the target and model drafters: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+    parser.add_argument("--cpu-linear", default="auto", choices=("auto", "packed", "plain"),
+                        help="target's linear layers on a CPU: auto (oneDNN-packed weights for float32, the default), packed, plain")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +174,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     check_learning_store(learning)
     store = open_store(args.store)  # a bad or unreachable store fails here, before the model load
 
-    target = ModelConfig(args.target, args.device, args.dtype)
+    target = ModelConfig(args.target, args.device, args.dtype, args.cpu_linear)
     target.check_device()
     target.torch_dtype()
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=target, drafter_device=args.device, drafter_dtype=args.dtype),

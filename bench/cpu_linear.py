@@ -1,0 +1,127 @@
+"""Plain ``nn.Linear`` against oneDNN-packed linears (target/cpu_linear.py) on the real target.
+
+    python -m bench.cpu_linear --out bench/results/cpu-linear
+
+Two copies of the default target, float32 on the CPU: system P (``cpu_linear="packed"``) and
+system U (``cpu_linear="plain"``). For every draft count d = 0..7, both verify the same request
+through ``TargetVerifier.verify`` with its default CPU forward widths, the first draft wrong (so
+both roll back to the same cache), alternating P U / U P, cycling over one prompt per category.
+d = 0 is a plain decode step; each system's verify cost is reported in its own decode steps, which
+is the ratio that decides whether speculation pays, and P's time against U's. Each repetition
+also checks that both return the same accepted count and tokens.
+
+Writes results.json and report.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.speed import load_questions, machine_info
+from bench.verify_batch import summary
+from services.config import settings_from_env
+from target.rejection import SparseDist
+from target.sampling import SamplingParams
+from target.verifier import TargetVerifier, VerifyRequest, forward_width
+
+MAX_DRAFTS = 7  # forward widths 1..8
+SYSTEMS = {"P": "packed", "U": "plain"}
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        "# Packed vs plain linear layers on the CPU",
+        "",
+        f"`TargetVerifier.verify` on two copies of {results['target']} (float32): P = oneDNN-packed linears "
+        "(`cpu_linear=packed`, the default on a CPU), U = plain `nn.Linear`; both with the verifier's default "
+        f"CPU forward widths; greedy, the first draft wrong; alternating P U / U P, {results['reps']} repetitions "
+        f"per row (+1 warm-up) over {results['prompts']} prompts ({results['context_tokens'][0]}-"
+        f"{results['context_tokens'][1]} context tokens). Medians [p25, p75]. *steps* = the row's median over "
+        "the same system's median decode step (drafts = 0).",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"transformers {m['transformers']}.",
+        "",
+        "| drafts | forward width | P ms | P steps | U ms | U steps | P / U per repetition |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    step = {s: results["rows"][0][s]["median"] for s in SYSTEMS}
+    for row in results["rows"]:
+        p, u, r = row["P"], row["U"], row["ratio"]
+        lines.append(f"| {row['drafts']} | {row['width']} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
+                     f"{1000 * u['median']:.1f} | {u['median'] / step['U']:.2f} | "
+                     f"{r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}] |")
+    lines += ["", f"Outcomes (accepted count and tokens) of P and U differed in {results['mismatches']} verification(s).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_linear", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
+    parser.add_argument("--reps", type=int, default=20, help="repetitions per draft count (default 20)")
+    parser.add_argument("--out", default="bench/results/cpu-linear")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+
+    from services.engine import EmbeddedEngine
+    from target.models import ModelConfig, chat_prompt_ids, load_causal_lm
+
+    home = settings_from_env().home
+    verifiers = {}
+    for system, mode in SYSTEMS.items():
+        model, tokenizer = load_causal_lm(ModelConfig(cpu_linear=mode), home)
+        verifiers[system] = TargetVerifier(model, tokenizer)
+    contexts = [chat_prompt_ids(tokenizer, q.prompt) for q in load_questions(Path(args.prompts), 1)]
+    params = SamplingParams(max_new_tokens=64)
+    vocab = int(model.config.vocab_size)
+    first = {}  # each session's first token, so that its first draft can be made wrong; warms caches
+    for i, context in enumerate(contexts):
+        for verifier in verifiers.values():
+            first[i] = verifier.verify(VerifyRequest(f"p{i}", context, [], [], params)).tokens[0]
+
+    rows, mismatches = [], 0
+    progress = tqdm(total=(MAX_DRAFTS + 1) * (args.reps + 1), desc="packed vs plain", unit="rep")
+    for drafts_n in range(MAX_DRAFTS + 1):
+        times = {"P": [], "U": []}
+        for rep in range(args.reps + 1):  # repetition 0 is a warm-up, not recorded
+            i = rep % len(contexts)
+            drafts = [(first[i] + 1 + j) % vocab for j in range(drafts_n)]
+            request = VerifyRequest(f"p{i}", contexts[i], drafts, [SparseDist.one_hot(t) for t in drafts], params)
+            got = {}
+            for system in ("PU" if rep % 2 == 0 else "UP"):
+                started = time.perf_counter()
+                got[system] = verifiers[system].verify(request)
+                if rep:
+                    times[system].append(time.perf_counter() - started)
+            mismatches += (got["P"].accepted, got["P"].tokens) != (got["U"].accepted, got["U"].tokens)
+            progress.update(1)
+        ratios = [p / u for p, u in zip(times["P"], times["U"])]
+        rows.append({"drafts": drafts_n, "width": forward_width(drafts_n + 1, verifiers["P"].forward_widths),
+                     "P": summary(times["P"]), "U": summary(times["U"]), "ratio": summary(ratios),
+                     "P_all": times["P"], "U_all": times["U"]})
+    progress.close()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "command": "python -m bench.cpu_linear " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "target": "smollm2-135m-instruct", "machine": machine_info("cpu"), "reps": args.reps,
+        "prompts": len(contexts), "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
+        "rows": rows, "mismatches": mismatches,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(render(results))
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

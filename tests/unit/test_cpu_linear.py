@@ -1,0 +1,125 @@
+"""oneDNN-packed linear layers (target/cpu_linear.py): same numbers as nn.Linear, rows that do
+not depend on how many share a forward, the right models packed, bad modes refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from router.errors import InvalidArgument
+from target.cpu_linear import PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
+from target.kv_cache import PrefixCache
+from target.models import ModelConfig, load_causal_lm
+from target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
+
+needs_onednn = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_nn_linear_for_any_leading_shape(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    for shape in [(1, 48), (3, 48), (2, 5, 48), (1, 1, 9, 48), (300, 48)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            assert packed(x).shape == linear(x).shape
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert "packed" in repr(packed)
+
+
+@needs_onednn
+def test_a_rows_output_does_not_depend_on_how_many_rows_share_the_forward():
+    """What verification relies on: position i's output is bit-identical whether it is computed
+    alone (a decode step) or among up to 8 positions (a verify forward)."""
+    torch.manual_seed(1)
+    packed = PackedLinear(nn.Linear(576, 1536, bias=False))
+    x = torch.randn(8, 576)
+    with torch.no_grad():
+        full = packed(x)  # (8, 1536)
+        for rows in range(1, 9):
+            assert torch.equal(packed(x[:rows]), full[:rows]), rows
+        assert torch.equal(packed(x[5:6]), full[5:6])
+
+
+@needs_onednn
+def test_packed_linear_refuses_other_dtypes():
+    packed = PackedLinear(nn.Linear(8, 8))
+    with pytest.raises(RuntimeError, match="float32 CPU only"):
+        packed(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_packed_weights_stay_out_of_the_state_dict():
+    if not packed_linear_available():
+        pytest.skip("this torch build has no oneDNN")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    assert pack_linears(model) == 2
+    assert has_packed_linears(model)
+    assert model.state_dict() == {}
+
+
+@pytest.mark.parametrize(
+    "mode, device, dtype, expected",
+    [
+        ("auto", "cpu", torch.float32, packed_linear_available()),
+        ("auto", "cpu", torch.bfloat16, False),
+        ("auto", "cuda", torch.float32, False),
+        ("auto", "cuda:1", torch.bfloat16, False),
+        ("plain", "cpu", torch.float32, False),
+        ("plain", "cuda", torch.bfloat16, False),
+    ],
+)
+def test_which_models_are_packed(mode, device, dtype, expected):
+    assert should_pack(mode, device, dtype) is expected
+
+
+@pytest.mark.parametrize(
+    "mode, device, dtype, message",
+    [
+        ("fast", "cpu", torch.float32, "unknown cpu linear mode 'fast'"),
+        ("packed", "cuda", torch.float32, "applies to float32 models on the CPU"),
+        ("packed", "cpu", torch.float16, "applies to float32 models on the CPU"),
+    ],
+)
+def test_bad_modes_are_refused(mode, device, dtype, message):
+    with pytest.raises(InvalidArgument, match=message):
+        should_pack(mode, device, dtype)
+
+
+def test_bad_mode_fails_before_the_model_loads(home, tmp_path):
+    with pytest.raises(InvalidArgument, match="unknown cpu linear mode"):
+        load_causal_lm(ModelConfig(str(tmp_path / "no-such-model"), cpu_linear="fast"), home)
+
+
+@needs_onednn
+def test_loaded_target_is_packed_by_default_and_agrees_with_the_plain_one(model_dirs, home, prompts):
+    packed, tokenizer = load_causal_lm(ModelConfig(str(model_dirs.target)), home)
+    plain, _ = load_causal_lm(ModelConfig(str(model_dirs.target), cpu_linear="plain"), home)
+    assert has_packed_linears(packed) and not has_packed_linears(plain)
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    # The verifier pads by the packed kernels' costs, not MKL's.
+    assert TargetVerifier(packed, tokenizer).forward_widths == PACKED_CPU_FORWARD_WIDTHS
+    assert TargetVerifier(plain, tokenizer).forward_widths == CPU_FORWARD_WIDTHS
+    for ids in prompts[:6]:
+        a = PrefixCache(packed).logits(ids, n_last=len(ids))
+        b = PrefixCache(plain).logits(ids, n_last=len(ids))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_onednn
+def test_verify_logits_equal_decode_logits_on_a_packed_target(target_lm, prompts):
+    """A position's logits in a k+1-wide verify forward equal the plain decode step's there."""
+    model, _ = target_lm
+    for ids in prompts[:4]:
+        context, drafts = ids[:-6], ids[-6:]
+        wide = PrefixCache(model)
+        wide.logits(context, n_last=1)
+        verify_rows = wide.logits(context + drafts, n_last=len(drafts) + 1)  # (7, V)
+        step = PrefixCache(model)
+        step.logits(context, n_last=1)
+        for i, token in enumerate(drafts):
+            row = step.logits(context + drafts[: i + 1], n_last=1)[0]
+            torch.testing.assert_close(row, verify_rows[i + 1], rtol=1e-5, atol=1e-5)
