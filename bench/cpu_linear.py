@@ -10,6 +10,10 @@ d = 0 is a plain decode step; each system's verify cost is reported in its own d
 is the ratio that decides whether speculation pays, and P's time against U's. Each repetition
 also checks that both return the same accepted count and tokens.
 
+Then target-only greedy decoding (``--decode-tokens`` new tokens, one token per forward) of every
+prompt by both systems, alternating: tokens/s P / U per prompt, and whether the two produce the
+same tokens (packing must not change what the target says).
+
 Writes results.json and report.md to --out.
 """
 
@@ -49,27 +53,57 @@ def render(results: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"transformers {m['transformers']}.",
         "",
-        "| drafts | forward width | P ms | P steps | U ms | U steps | P / U per repetition |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| drafts | forward width P | forward width U | P ms | P steps | U ms | U steps | P / U per repetition |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     step = {s: results["rows"][0][s]["median"] for s in SYSTEMS}
     for row in results["rows"]:
         p, u, r = row["P"], row["U"], row["ratio"]
-        lines.append(f"| {row['drafts']} | {row['width']} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
+        lines.append(f"| {row['drafts']} | {row['width']} | {row['width_U']} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
                      f"{1000 * u['median']:.1f} | {u['median'] / step['U']:.2f} | "
                      f"{r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}] |")
     lines += ["", f"Outcomes (accepted count and tokens) of P and U differed in {results['mismatches']} verification(s).", ""]
+    decode = results["decode"]
+    r = decode["ratio"]
+    lines += [
+        f"Target-only greedy decoding, {decode['tokens']} new tokens per prompt, {len(decode['rows'])} prompts: "
+        f"tokens/s P / U per prompt {r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}]; "
+        f"outputs identical on {decode['identical']} of {len(decode['rows'])} prompts.", "",
+    ]
     return "\n".join(lines)
+
+
+def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int, tokenizer) -> dict:
+    """Greedy target-only decoding of each context by P and U, alternating which goes first."""
+    from router.loop import FixedChooser, speculative_generate
+
+    stop = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, stop_token_ids=stop)
+    rows = []
+    for i, context in enumerate(tqdm(contexts, desc="target-only decoding", unit="prompt")):
+        got = {}
+        for system in ("PU" if i % 2 == 0 else "UP"):
+            result = speculative_generate(context, session_id=f"decode-{i}", drafters={}, chooser=FixedChooser(None),
+                                          verifier=verifiers[system], params=params, k=0)
+            verifiers[system].release(f"decode-{i}")
+            got[system] = result
+        rows.append({"P_tokens_per_s": got["P"].tokens_per_s, "U_tokens_per_s": got["U"].tokens_per_s,
+                     "new_tokens": len(got["P"].token_ids), "identical": got["P"].token_ids == got["U"].token_ids})
+    ratios = [row["P_tokens_per_s"] / row["U_tokens_per_s"] for row in rows]
+    return {"tokens": tokens, "rows": rows, "ratio": summary(ratios), "identical": sum(row["identical"] for row in rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_linear", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
     parser.add_argument("--reps", type=int, default=20, help="repetitions per draft count (default 20)")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="new tokens of the target-only decoding part (default 48)")
     parser.add_argument("--out", default="bench/results/cpu-linear")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
+    if args.decode_tokens < 1:
+        parser.error(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
 
     from services.engine import EmbeddedEngine
     from target.models import ModelConfig, chat_prompt_ids, load_causal_lm
@@ -105,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             progress.update(1)
         ratios = [p / u for p, u in zip(times["P"], times["U"])]
         rows.append({"drafts": drafts_n, "width": forward_width(drafts_n + 1, verifiers["P"].forward_widths),
+                     "width_U": forward_width(drafts_n + 1, verifiers["U"].forward_widths),
                      "P": summary(times["P"]), "U": summary(times["U"]), "ratio": summary(ratios),
                      "P_all": times["P"], "U_all": times["U"]})
     progress.close()
+    decode = target_only_decoding(verifiers, contexts, args.decode_tokens, tokenizer)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.cpu_linear " + " ".join(argv if argv is not None else sys.argv[1:]),
         "target": "smollm2-135m-instruct", "machine": machine_info("cpu"), "reps": args.reps,
         "prompts": len(contexts), "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
-        "rows": rows, "mismatches": mismatches,
+        "rows": rows, "mismatches": mismatches, "decode": decode,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(render(results))

@@ -527,8 +527,9 @@ def online_args_from_bench(args: argparse.Namespace) -> argparse.Namespace:
     """The ``python -m bench.online`` namespace a ``specpool bench --online`` command stands for."""
     if args.policies is not None:
         raise InvalidArgument("give either --online or --policies, not both")
-    if args.in_domain:
-        raise InvalidArgument("--in-domain does not apply to --online (every system starts from --drafters)")
+    if args.in_domain or args.in_domain_lookup:
+        flag = "--in-domain" if args.in_domain else "--in-domain-lookup"
+        raise InvalidArgument(f"{flag} does not apply to --online (every system starts from --drafters)")
     drafters = [d.strip() for d in (args.drafters or ONLINE_DEFAULTS["drafters"]).split(",") if d.strip()]
     check(len(drafters) == 1, f"--online trains one drafter; give one in --drafters, got {args.drafters!r}")
     return argparse.Namespace(

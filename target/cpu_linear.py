@@ -2,17 +2,16 @@
 
 Speculative decoding on a CPU lives or dies by one ratio: what a verify forward over k + 1
 positions costs against a plain one-position decode step. PyTorch's default float32 ``F.linear``
-calls MKL's sgemm, which repacks the whole weight matrix on every call; for a single row MKL
-takes a GEMV path that skips that, but for 2 to 8 rows it packs 540 MB of SmolLM2 weights per
-forward. Measured on a 2-core AMD EPYC (``python -m bench.verify_width``): a 6-position forward of
-the default target costs ~1.9 decode steps with plain ``nn.Linear``.
+(MKL sgemm) is quick for one row but slow for the 2 to 8 rows of a verify forward: on a 2-core AMD
+EPYC a verify forward of the default target costs 1.5 to 2.2 decode steps with plain
+``nn.Linear`` (``python -m bench.cpu_linear``, ``bench/results/cpu-linear/``).
 
 oneDNN can pack a weight once, at load time, into the layout its GEMM kernels read
-(``torch.ops.mkldnn._reorder_linear_weight``, the same op Inductor's CPU freezing pass uses).
-Packed for up to 8 rows, a forward over 1 to 8 positions then reads each weight once in its
-native layout, and each output row is computed by the same kernel whatever the number of rows:
-the logits of a position do not depend on how many positions share its forward (tested in
-``tests/unit/test_cpu_linear.py``), which is what makes verification agree with plain decoding.
+(``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing pass uses). Packed
+for 8 rows, a verify forward of 2 to 8 positions costs 1.0 to 1.4 decode steps in the same
+benchmark, with identical outcomes. Each output row comes out bit-identical whatever the number
+of rows in the call (``tests/unit/test_cpu_linear.py``), so a linear layer gives a position the
+same numbers in a verify forward as in a decode step.
 
 This is inference only (no autograd through the packed weight); it applies to float32 models on
 the CPU. GPUs and other dtypes keep ``nn.Linear``.

@@ -373,6 +373,7 @@ def test_bench_without_online_keeps_its_defaults():
     (["--policies", "metasd-ucb"], ["--online or --policies"]),
     (["--drafters", "chat,code"], ["one drafter"]),
     (["--in-domain"], ["--in-domain"]),
+    (["--in-domain-lookup"], ["--in-domain-lookup"]),
     (["--limit", "2"], ["--limit must be >= 3"]),
     (["--systems", "frozen,sgd"], ["--systems"]),
     (["--commit-after-s", "0"], ["--commit-after-s must be > 0"]),

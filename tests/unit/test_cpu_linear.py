@@ -123,3 +123,22 @@ def test_verify_logits_equal_decode_logits_on_a_packed_target(target_lm, prompts
         for i, token in enumerate(drafts):
             row = step.logits(context + drafts[: i + 1], n_last=1)[0]
             torch.testing.assert_close(row, verify_rows[i + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_cli_bad_cpu_linear_is_one_line(cli):
+    from cli_helpers import assert_one_line_error
+
+    code, _, err = cli("generate", "the cat", "--cpu-linear", "fast")
+    assert_one_line_error(code, err, "cpu-linear", "fast")
+
+
+def test_cli_plain_and_packed_targets_say_the_same(cli):
+    import json
+
+    outputs = {}
+    for mode in ("plain", "auto"):
+        code, out, err = cli("generate", "the cat sat on the mat the cat", "--cpu-linear", mode,
+                             "--max-new-tokens", "8", "--json", "--drafter", "ngram")
+        assert code == 0, err
+        outputs[mode] = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    assert outputs["plain"] == outputs["auto"] and len(outputs["auto"]) == 8
