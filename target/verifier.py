@@ -33,8 +33,9 @@ SPLIT_COST_TOKENS = 64
 CPU_FORWARD_WIDTHS = (4, 5, 8)
 # With oneDNN-packed linears (target/cpu_linear.py, the CPU default) small widths cost nearly the
 # same, except 3, which is slower than 4 (`python -m bench.verify_width`, 2-core AMD EPYC: 3
-# positions padded to 4 took 0.88x as long; 2 padded to 4 took 1.20x, 6 to 8 1.02x).
-PACKED_CPU_FORWARD_WIDTHS = (4,)
+# positions padded to 4 took 0.88x as long; 2 padded to 4 took 1.20x, 6 to 8 1.02x): so only 3 is
+# padded (2 is a width of its own).
+PACKED_CPU_FORWARD_WIDTHS = (2, 4)
 
 
 def forward_width(fed: int, widths: Sequence[int]) -> int:

@@ -13,7 +13,7 @@ from target.kv_cache import PrefixCache, SessionCaches, common_prefix_length
 from target.rejection import SparseDist
 from target.sampling import SamplingParams
 from router.errors import InvalidArgument
-from target.verifier import TargetVerifier, VerifyRequest, forward_width
+from target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier, VerifyRequest, forward_width
 
 ATOL = 1e-5
 
@@ -226,15 +226,16 @@ def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(targ
         return original(self, input_ids, n_last, pad_to)
 
     context = [1, 4, 8, 15, 16, 23, 42]
-    t = greedy_reference(model, context, 8)
+    t = greedy_reference(model, context, 12)
     outcomes = {}
-    for widths in (None, ()):  # the CPU default, then no padding
+    # The CPU default (packed linears: only 3 positions pad, to 4), plain linears' widths, no padding.
+    for widths in (None, CPU_FORWARD_WIDTHS, ()):
         verifier = TargetVerifier(model, tokenizer, forward_widths=widths)
         monkeypatch.setattr(PrefixCache, "logits", recording)
         fed_widths.clear()
         results = []
         ctx = list(context)
-        for drafts in ([t[0], t[1]], [t[2] + 1], [t[2], t[3], t[4], t[5], t[6]]):
+        for drafts in ([t[0], t[1]], [t[2] + 1], [t[4], t[5]], [t[7], t[8], t[9], t[10], t[11]]):
             drafts = [x % model.config.vocab_size for x in drafts]
             result = verifier.verify(VerifyRequest("s", ctx, drafts, [SparseDist.one_hot(x) for x in drafts], SamplingParams(max_new_tokens=20)))
             results.append((result.accepted, result.tokens))
@@ -243,14 +244,17 @@ def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(targ
             assert cached_length(verifier.caches.get("s")) == len(ctx) - 1
         monkeypatch.setattr(PrefixCache, "logits", original)
         outcomes[widths] = (results, list(fed_widths))
-    assert outcomes[None][0] == outcomes[()][0]
-    assert outcomes[None][1] == [len(context) + 2, 4, 8]  # prefill as is; 2 positions -> 4; 6 -> 8
-    assert outcomes[()][1] == [len(context) + 2, 2, 6]
+    assert outcomes[None][0] == outcomes[CPU_FORWARD_WIDTHS][0] == outcomes[()][0]
+    assert TargetVerifier(model, tokenizer).forward_widths == PACKED_CPU_FORWARD_WIDTHS
+    assert [accepted for accepted, _ in outcomes[()][0]] == [2, 0, 2, 5]  # the rounds are what they seem
+    assert outcomes[None][1] == [len(context) + 2, 2, 4, 6]  # prefill as is; 3 positions -> 4, 2 and 6 as is
+    assert outcomes[CPU_FORWARD_WIDTHS][1] == [len(context) + 2, 4, 4, 8]  # 2 and 3 positions -> 4; 6 -> 8
+    assert outcomes[()][1] == [len(context) + 2, 2, 3, 6]
 
 
 def test_verifier_does_not_pad_past_the_context_window(target_lm, monkeypatch):
     model, tokenizer = target_lm
-    context, drafts = [1, 4, 8, 15, 16, 23, 42], [5]
+    context, drafts = [1, 4, 8, 15, 16, 23, 42], [5]  # 2 positions: padded to 4 with plain linears' widths
     pads_asked: list[int] = []
     original = PrefixCache.logits
 
@@ -260,12 +264,13 @@ def test_verifier_does_not_pad_past_the_context_window(target_lm, monkeypatch):
 
     monkeypatch.setattr(PrefixCache, "logits", recording)
     for window, expected_pad_to in ((None, 4), (len(context) + len(drafts) + 1, 2)):
-        verifier = TargetVerifier(model, tokenizer)
+        verifier = TargetVerifier(model, tokenizer, forward_widths=CPU_FORWARD_WIDTHS)
         verifier.verify(VerifyRequest("s", context, [], [], SamplingParams(max_new_tokens=4)))
         if window is not None:
             verifier.context_window = window  # room for the round, none for pads
         pads_asked.clear()
-        result = verifier.verify(VerifyRequest("s", context, drafts, [SparseDist.one_hot(5)], SamplingParams(max_new_tokens=4)))
+        result = verifier.verify(VerifyRequest("s", context, drafts, [SparseDist.one_hot(x) for x in drafts],
+                                               SamplingParams(max_new_tokens=4)))
         assert pads_asked == [expected_pad_to]
         assert cached_length(verifier.caches.get("s")) == len(context) + result.accepted
 
