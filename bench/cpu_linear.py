@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.speed import load_questions, machine_info
 from bench.verify_batch import summary
+from bench.verify_width import alternate_verifications
 from services.config import settings_from_env
-from target.rejection import SparseDist
 from target.sampling import SamplingParams
-from target.verifier import TargetVerifier, VerifyRequest, forward_width
+from target.verifier import TargetVerifier, forward_width
 
-MAX_DRAFTS = 7  # forward widths 1..8
 SYSTEMS = {"P": "packed", "U": "plain"}
 
 
@@ -105,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_tokens < 1:
         parser.error(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
 
-    from services.engine import EmbeddedEngine
     from target.models import ModelConfig, chat_prompt_ids, load_causal_lm
 
     home = settings_from_env().home
@@ -114,35 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_causal_lm(ModelConfig(cpu_linear=mode), home)
         verifiers[system] = TargetVerifier(model, tokenizer)
     contexts = [chat_prompt_ids(tokenizer, q.prompt) for q in load_questions(Path(args.prompts), 1)]
-    params = SamplingParams(max_new_tokens=64)
-    vocab = int(model.config.vocab_size)
-    first = {}  # each session's first token, so that its first draft can be made wrong; warms caches
-    for i, context in enumerate(contexts):
-        for verifier in verifiers.values():
-            first[i] = verifier.verify(VerifyRequest(f"p{i}", context, [], [], params)).tokens[0]
-
-    rows, mismatches = [], 0
-    progress = tqdm(total=(MAX_DRAFTS + 1) * (args.reps + 1), desc="packed vs plain", unit="rep")
-    for drafts_n in range(MAX_DRAFTS + 1):
-        times = {"P": [], "U": []}
-        for rep in range(args.reps + 1):  # repetition 0 is a warm-up, not recorded
-            i = rep % len(contexts)
-            drafts = [(first[i] + 1 + j) % vocab for j in range(drafts_n)]
-            request = VerifyRequest(f"p{i}", contexts[i], drafts, [SparseDist.one_hot(t) for t in drafts], params)
-            got = {}
-            for system in ("PU" if rep % 2 == 0 else "UP"):
-                started = time.perf_counter()
-                got[system] = verifiers[system].verify(request)
-                if rep:
-                    times[system].append(time.perf_counter() - started)
-            mismatches += (got["P"].accepted, got["P"].tokens) != (got["U"].accepted, got["U"].tokens)
-            progress.update(1)
+    per_draft_count, mismatches = alternate_verifications(verifiers, contexts, args.reps, "packed vs plain")
+    rows = []
+    for drafts_n, times in enumerate(per_draft_count):
         ratios = [p / u for p, u in zip(times["P"], times["U"])]
         rows.append({"drafts": drafts_n, "width": forward_width(drafts_n + 1, verifiers["P"].forward_widths),
                      "width_U": forward_width(drafts_n + 1, verifiers["U"].forward_widths),
                      "P": summary(times["P"]), "U": summary(times["U"]), "ratio": summary(ratios),
                      "P_all": times["P"], "U_all": times["U"]})
-    progress.close()
     decode = target_only_decoding(verifiers, contexts, args.decode_tokens, tokenizer)
 
     out = Path(args.out)

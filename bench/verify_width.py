@@ -65,6 +65,38 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def alternate_verifications(verifiers: dict, contexts: list[list[int]], reps: int, desc: str) -> tuple[list[dict], int]:
+    """Systems P and U (``verifiers``) verify the same requests, alternating P U / U P per
+    repetition and cycling over ``contexts``, for every draft count d = 0..MAX_DRAFTS, the first
+    draft wrong so both roll back to the same cache. Returns, per d, each system's seconds
+    (repetition 0 is a warm-up, not recorded), and how many verifications' outcomes differed."""
+    params = SamplingParams(max_new_tokens=64)
+    vocab = int(verifiers["P"].vocab_size)
+    first = {}  # each session's first token, so that its first draft can be made wrong; warms caches
+    for i, context in enumerate(contexts):
+        for verifier in verifiers.values():
+            first[i] = verifier.verify(VerifyRequest(f"p{i}", context, [], [], params)).tokens[0]
+    per_draft_count, mismatches = [], 0
+    progress = tqdm(total=(MAX_DRAFTS + 1) * (reps + 1), desc=desc, unit="rep")
+    for drafts_n in range(MAX_DRAFTS + 1):
+        times = {"P": [], "U": []}
+        for rep in range(reps + 1):
+            i = rep % len(contexts)
+            drafts = [(first[i] + 1 + j) % vocab for j in range(drafts_n)]
+            request = VerifyRequest(f"p{i}", contexts[i], drafts, [SparseDist.one_hot(t) for t in drafts], params)
+            got = {}
+            for system in ("PU" if rep % 2 == 0 else "UP"):
+                started = time.perf_counter()
+                got[system] = verifiers[system].verify(request)
+                if rep:
+                    times[system].append(time.perf_counter() - started)
+            mismatches += (got["P"].accepted, got["P"].tokens) != (got["U"].accepted, got["U"].tokens)
+            progress.update(1)
+        per_draft_count.append(times)
+    progress.close()
+    return per_draft_count, mismatches
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_width", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
@@ -81,34 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [engine.encode_prompt(q.prompt) for q in questions]
     padded = TargetVerifier(engine.model, engine.tokenizer)
     unpadded = TargetVerifier(engine.model, engine.tokenizer, forward_widths=())
-    params = SamplingParams(max_new_tokens=64)
-    vocab = int(engine.model.config.vocab_size)
-    # Each session's first token, so that its first draft can be made wrong; warms both caches.
-    first = {}
-    for i, context in enumerate(contexts):
-        for verifier in (padded, unpadded):
-            first[i] = verifier.verify(VerifyRequest(f"p{i}", context, [], [], params)).tokens[0]
-
-    rows, mismatches = [], 0
-    progress = tqdm(total=(MAX_DRAFTS + 1) * (args.reps + 1), desc="verify widths", unit="rep")
-    for drafts_n in range(MAX_DRAFTS + 1):
-        times = {"P": [], "U": []}
-        for rep in range(args.reps + 1):  # repetition 0 is a warm-up, not recorded
-            i = rep % len(contexts)
-            drafts = [(first[i] + 1 + j) % vocab for j in range(drafts_n)]
-            request = VerifyRequest(f"p{i}", contexts[i], drafts, [SparseDist.one_hot(t) for t in drafts], params)
-            got = {}
-            for system in ("PU" if rep % 2 == 0 else "UP"):
-                verifier = padded if system == "P" else unpadded
-                started = time.perf_counter()
-                got[system] = verifier.verify(request)
-                if rep:
-                    times[system].append(time.perf_counter() - started)
-            mismatches += (got["P"].accepted, got["P"].tokens) != (got["U"].accepted, got["U"].tokens)
-            progress.update(1)
+    per_draft_count, mismatches = alternate_verifications({"P": padded, "U": unpadded}, contexts, args.reps, "verify widths")
+    rows = []
+    for drafts_n, times in enumerate(per_draft_count):
         rows.append({"drafts": drafts_n, "padded_width": forward_width(drafts_n + 1, padded.forward_widths),
                      **summarize(times["P"], times["U"]), "padded_s_all": times["P"], "unpadded_s_all": times["U"]})
-    progress.close()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

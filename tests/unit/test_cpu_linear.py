@@ -142,3 +142,22 @@ def test_cli_plain_and_packed_targets_say_the_same(cli):
         assert code == 0, err
         outputs[mode] = json.loads(out.strip().splitlines()[-1])["token_ids"]
     assert outputs["plain"] == outputs["auto"] and len(outputs["auto"]) == 8
+
+
+@needs_onednn
+def test_the_packed_vs_plain_benchmark_pairs_the_same_verifications(model_dirs, home, prompts):
+    """bench/cpu_linear.py's measurement on the tiny target: every draft count timed for both
+    systems, and the two agree on every outcome (what its report's mismatch count states)."""
+    from bench.cpu_linear import target_only_decoding
+    from bench.verify_width import MAX_DRAFTS, alternate_verifications
+
+    verifiers = {}
+    for system, mode in (("P", "packed"), ("U", "plain")):
+        model, tokenizer = load_causal_lm(ModelConfig(str(model_dirs.target), cpu_linear=mode), home)
+        verifiers[system] = TargetVerifier(model, tokenizer)
+    per_draft_count, mismatches = alternate_verifications(verifiers, prompts[:3], 3, "test")
+    assert len(per_draft_count) == MAX_DRAFTS + 1
+    assert all(len(times["P"]) == len(times["U"]) == 3 for times in per_draft_count)
+    assert mismatches == 0
+    decode = target_only_decoding(verifiers, prompts[:3], 6, tokenizer)
+    assert decode["identical"] == 3 and all(1 <= row["new_tokens"] <= 6 for row in decode["rows"])
