@@ -3,13 +3,13 @@
 Speculative decoding on a CPU lives or dies by one ratio: what a verify forward over k + 1
 positions costs against a plain one-position decode step. PyTorch's default float32 ``F.linear``
 (MKL sgemm) is quick for one row but slow for the 2 to 8 rows of a verify forward: on a 2-core AMD
-EPYC a verify forward of the default target costs 1.5 to 2.2 decode steps with plain
+EPYC a verify forward of the default target costs 1.7 to 1.9 decode steps with plain
 ``nn.Linear`` (``python -m bench.cpu_linear``, ``bench/results/cpu-linear/``).
 
 oneDNN can pack a weight once, at load time, into the layout its GEMM kernels read
 (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing pass uses). Packed
-for 8 rows, a verify forward of 2 to 8 positions costs 1.0 to 1.4 decode steps in the same
-benchmark, with identical outcomes. Each output row comes out bit-identical whatever the number
+for 8 rows, a verify forward of 2 to 8 positions costs 1.1 to 1.4 decode steps in the same
+benchmark, a decode step 0.88x as long as plain, with identical outcomes. Each output row comes out bit-identical whatever the number
 of rows in the call (``tests/unit/test_cpu_linear.py``), so a linear layer gives a position the
 same numbers in a verify forward as in a decode step.
 
