@@ -71,11 +71,12 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int, tokenizer) -> dict:
+def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int) -> dict:
     """Greedy target-only decoding of each context by P and U, alternating which goes first."""
     from router.loop import FixedChooser, speculative_generate
+    from target.models import stop_token_ids
 
-    stop = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
+    stop = stop_token_ids(verifiers["P"].model, verifiers["P"].tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, stop_token_ids=stop)
     rows = []
     for i, context in enumerate(tqdm(contexts, desc="target-only decoding", unit="prompt")):
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                      "width_U": forward_width(drafts_n + 1, verifiers["U"].forward_widths),
                      "P": summary(times["P"]), "U": summary(times["U"]), "ratio": summary(ratios),
                      "P_all": times["P"], "U_all": times["U"]})
-    decode = target_only_decoding(verifiers, contexts, args.decode_tokens, tokenizer)
+    decode = target_only_decoding(verifiers, contexts, args.decode_tokens)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

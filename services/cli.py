@@ -32,12 +32,13 @@ def _quiet_libraries() -> None:
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    from target.cpu_linear import CPU_LINEAR_MODES
     from target.models import DEFAULT_TARGET
 
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: embedded name, folder or hub id (default {DEFAULT_TARGET})")
     parser.add_argument("--device", default="cpu", help="device for the target and model drafters: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
-    parser.add_argument("--cpu-linear", default="auto", choices=("auto", "packed", "plain"),
+    parser.add_argument("--cpu-linear", default="auto", choices=CPU_LINEAR_MODES,
                         help="target's linear layers on a CPU: auto (oneDNN-packed weights for float32, the default), packed, plain")
 
 

@@ -14,7 +14,8 @@ from router.errors import InvalidArgument, check
 from router.loop import DrafterChooser, FixedChooser, GenerationResult, RoundRecord, speculative_generate
 from router.policies import PolicyOptions, make_policy, parse_arm
 from router.session_store import InMemorySessionStore, SessionKey, SessionStore
-from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, check_same_tokenizer, load_causal_lm
+from target.models import (DEFAULT_TARGET, ModelConfig, chat_prompt_ids, check_same_tokenizer, load_causal_lm,
+                           stop_token_ids)
 from target.sampling import SamplingParams, validate_draft_length
 from target.verifier import TargetVerifier
 
@@ -86,10 +87,7 @@ class EmbeddedEngine:
         return chat_prompt_ids(self.tokenizer, prompt)
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        ids = {self.tokenizer.eos_token_id}
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos])
-        return tuple(sorted(i for i in ids if i is not None))
+        return stop_token_ids(self.model, self.tokenizer)
 
     # -- generation -----------------------------------------------------------------------------
     def generate(

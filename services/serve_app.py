@@ -118,21 +118,13 @@ async def _offer_route(endpoint: DirectEndpoint, response) -> None:
         response.direct.CopyFrom(route)
 
 
-def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
-    """End-of-sequence ids, as the embedded engine finds them (EmbeddedEngine.stop_token_ids)."""
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 # -- the target ----------------------------------------------------------------------------------------
 @serve.deployment(name="Target")
 class TargetServer:
     """``specpool.v1.Target``: verification of concurrent sessions' rounds, batched."""
 
     def __init__(self, args: TargetArgs):
-        from target.models import ModelConfig, load_causal_lm
+        from target.models import ModelConfig, load_causal_lm, stop_token_ids
         from target.verifier import TargetVerifier
 
         _set_threads(args.threads)

@@ -39,8 +39,8 @@ class ModelConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA; or float32/float16/bfloat16
     # "auto" = linear weights prepacked for oneDNN when float32 on a CPU (target/cpu_linear.py:
-    # a verify forward over 2-8 positions then costs little more than one decode step); "packed"
-    # insists, "plain" keeps nn.Linear.
+    # a verify forward over 2-8 positions then costs ~1.1-1.4 decode steps instead of ~1.7-1.9);
+    # "packed" insists, "plain" keeps nn.Linear.
     cpu_linear: str = "auto"
 
     def check_device(self) -> None:
@@ -198,6 +198,14 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's and the generation config's (one id or a list)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def context_window(model: PreTrainedModel) -> int:

@@ -15,9 +15,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from router.errors import InvalidArgument, SpecpoolError
+from target.cpu_linear import has_packed_linears
 from target.kv_cache import PrefixCache, SessionCaches, batched_logits, supports_batched_logits
 from target.models import context_window, tokenizer_fingerprint
-from target.cpu_linear import has_packed_linears
 from target.rejection import SparseDist, speculative_verify
 from target.sampling import SamplingParams, logits_to_probs, request_generator
 

@@ -159,5 +159,5 @@ def test_the_packed_vs_plain_benchmark_pairs_the_same_verifications(model_dirs, 
     assert len(per_draft_count) == MAX_DRAFTS + 1
     assert all(len(times["P"]) == len(times["U"]) == 3 for times in per_draft_count)
     assert mismatches == 0
-    decode = target_only_decoding(verifiers, prompts[:3], 6, tokenizer)
+    decode = target_only_decoding(verifiers, prompts[:3], 6)
     assert decode["identical"] == 3 and all(1 <= row["new_tokens"] <= 6 for row in decode["rows"])
