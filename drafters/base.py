@@ -9,11 +9,18 @@ from target.rejection import SparseDist
 from target.sampling import SamplingParams
 
 
+# A proposal's ``source`` when prompt lookup (drafters/ngram.py) made it. Several drafters of one
+# pool can answer a round by the same lookup (``ngram`` and every ``lookup:SPEC``); such a round
+# says nothing about which of them is better, so the router does not credit it to the arm played.
+LOOKUP_SOURCE = "lookup"
+
+
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]  # x_1..x_k'; k' <= k (a drafter may propose fewer, even none)
     q: list[SparseDist]  # q_i, the exact distribution x_i was sampled from
     forward_s: float = 0.0  # time spent in model forwards (the rest of propose is bookkeeping)
+    source: str | None = None  # what made it, where drafters share a part (LOOKUP_SOURCE); None: the drafter's own
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from drafters.base import CostMeter, Proposal
+from drafters.base import LOOKUP_SOURCE, CostMeter, Proposal
 from drafters.registry import DrafterContext, register_drafter
 from router.errors import InvalidArgument
 from target.rejection import SparseDist
@@ -91,7 +91,10 @@ class NGramDrafter:
             continuation = continuation[:k_round]
             stats.last_context_length, stats.last_proposal = len(context_ids), tuple(continuation)
         self.cost.record(time.perf_counter() - started, max(len(continuation), 1))
-        return Proposal(continuation, [SparseDist.one_hot(t) for t in continuation])
+        # A miss proposes nothing: that round is the n-gram drafter's own (a target-only step),
+        # where a lookup:SPEC drafter would have asked its model instead.
+        return Proposal(continuation, [SparseDist.one_hot(t) for t in continuation],
+                        source=LOOKUP_SOURCE if continuation else None)
 
     def _observe(self, session_id: str, context_ids: list[int]) -> _SessionStats:
         """Score the session's previous proposal against the context that followed it."""

@@ -53,6 +53,20 @@ def resolve_spec(spec: str) -> str:
     return spec
 
 
+# Kinds whose proposals can come from prompt lookup (drafters.base.LOOKUP_SOURCE). By name, not by
+# building the drafter, so a router that only holds remote drafters can tell too.
+_LOOKUP_KINDS = ("ngram", "lookup")
+
+
+def shared_sources(specs: list[str]) -> frozenset[str]:
+    """The proposal sources that two or more of these drafters share: rounds from them cannot tell
+    the drafters apart. ``ngram`` + ``lookup:code`` share the lookup; ``ngram`` + ``code`` share nothing."""
+    from drafters.base import LOOKUP_SOURCE
+
+    with_lookup = {s for s in specs if s.partition(":")[0] in _LOOKUP_KINDS}
+    return frozenset({LOOKUP_SOURCE}) if len(with_lookup) >= 2 else frozenset()
+
+
 def known_spec(spec: str) -> bool:
     return resolve_spec(spec).partition(":")[0] in _KINDS
 

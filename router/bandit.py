@@ -9,6 +9,13 @@ Within a request, ``select`` after the first round picks from the state its own 
 committed instead of reading it again: one store round trip less per round. Only a second request
 of the same session running at the same time could have written since, and its update is not
 lost (``transact`` applies every update to the stored state); this request just chooses without it.
+
+A round whose proposal came from a part several arms share (``shared_sources``: prompt lookup,
+which ``ngram`` and every ``lookup:SPEC`` arm run first) is credited to no arm: whichever arm was
+played, the same lookup would have made the same proposal, so its reward says nothing about the
+arms' differences and only adds noise (an arm played through a stretch of copied text would look
+good for the copies). The policy's state is left as it was, so an arm that has not yet had a round
+of its own is still unexplored.
 """
 
 from __future__ import annotations
@@ -29,13 +36,17 @@ class TraceEntry:
     round: int  # the session's round counter t before this round
     arm: str
     leader: str | None  # argmax of the policy's estimates after the update
+    credited: bool = True  # False: a shared-source round, not credited to the arm
 
 
 class BanditChooser:
     """A ``DrafterChooser`` that asks a policy, with its state in a session store."""
 
-    def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False):
+    def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False,
+                 shared_sources: frozenset[str] = frozenset()):
         self.policy = policy
+        self.shared_sources = shared_sources  # drafters.registry.shared_sources(pool)
+        self.shared_rounds = 0  # rounds credited to no arm
         self.store = store
         self.key = key
         self.seed = seed
@@ -74,6 +85,14 @@ class BanditChooser:
             return
         started = time.perf_counter()
         arm = self._pending
+        if record.source is not None and record.source in self.shared_sources:
+            self.shared_rounds += 1
+            if self.trace is not None:
+                leader = self.policy.leader(self._committed) if self._committed is not None else None
+                self.trace.append(TraceEntry(self._round, arm, leader, credited=False))
+            self._pending = None
+            self.overhead_s += time.perf_counter() - started
+            return
 
         def apply(state: dict | None) -> tuple[dict, ArmStats]:
             return self.policy.update(self._state(state), arm, record)

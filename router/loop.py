@@ -34,6 +34,7 @@ class RoundRecord:
     round_s: float  # wall time of the whole round, bookkeeping included
     draft_forward_s: float = 0.0  # time spent inside the drafter's model forwards
     verify_forward_s: float = 0.0  # time spent inside the target's forward
+    source: str | None = None  # the proposal's source (drafters.base.LOOKUP_SOURCE); None: the drafter's own
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ def speculative_generate(
             round_s=time.perf_counter() - round_started,
             draft_forward_s=proposal.forward_s,
             verify_forward_s=result.forward_s,
+            source=proposal.source,
         )
         rounds.append(record)
         chooser.update(record)

@@ -237,8 +237,9 @@ def _trace_printer():
     def print_round(record) -> None:
         # BD as the policies see it: over the k positions asked for (router/policies.py).
         bd = "-" if record.drafter is None or record.k == 0 else f"{round_rewards(record)['bd']:.2f}"
+        source = f"  ({record.source})" if record.source else ""  # "(lookup)": made by the prompt lookup
         print(f"round {next(counter):>3}  drafter {record.drafter or 'none':<18} k {record.k}  "
-              f"proposed {record.proposed}  accepted {record.accepted}  BD {bd}  {record.round_s * 1e3:.0f} ms",
+              f"proposed {record.proposed}  accepted {record.accepted}  BD {bd}  {record.round_s * 1e3:.0f} ms{source}",
               file=sys.stderr, flush=True)
 
     return print_round

@@ -125,10 +125,11 @@ def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
 
 def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb2.ProposeResponse:
     return drafter_pb2.ProposeResponse(tokens=proposal.tokens, q=[sparse_to_proto(q) for q in proposal.q],
-                                       forward_s=proposal.forward_s, weight_version=weight_version)
+                                       forward_s=proposal.forward_s, weight_version=weight_version,
+                                       source=proposal.source or "")
 
 
 def proposal_from_proto(msg: drafter_pb2.ProposeResponse) -> Proposal:
     check(len(msg.q) == len(msg.tokens), f"a proposal needs one q per token: {len(msg.tokens)} tokens, {len(msg.q)} q")
     return Proposal(list(msg.tokens), [sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
-                    float(msg.forward_s))
+                    float(msg.forward_s), msg.source or None)

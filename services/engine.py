@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from drafters.base import Drafter
-from drafters.registry import DrafterContext, create_drafter
+from drafters.registry import DrafterContext, create_drafter, shared_sources
 from router.bandit import BanditChooser
 from router.errors import InvalidArgument, check
 from router.loop import DrafterChooser, FixedChooser, GenerationResult, RoundRecord, speculative_generate
@@ -121,7 +121,8 @@ class EmbeddedEngine:
                 raise InvalidArgument("give either a drafter or a policy, not both (a fixed drafter is policy fixed:NAME)")
             bandit = make_policy(policy, pool if pool is not None else default_pool(), policy_options)
             drafters = {name: self.drafter(name) for name in dict.fromkeys(parse_arm(a)[0] for a in bandit.arms)}
-            chooser = BanditChooser(bandit, self.store, key, seed=params.seed, trace=trace)
+            chooser = BanditChooser(bandit, self.store, key, seed=params.seed, trace=trace,
+                                    shared_sources=shared_sources(list(drafters)))
         feedback = None
         if self.learning is not None:  # pin this request's drafter versions; never mixed within it
             drafters, feedback = self.learning.prepare(key.tenant, drafters)

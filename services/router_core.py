@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 from drafters.base import Drafter
 from drafters.feedback import FeedbackEmitter
+from drafters.registry import shared_sources
 from router.bandit import BanditChooser
 from router.errors import Cancelled, NotFound, SessionBusy, check
 from router.loop import RoundFeedback, RoundRecord, Verifier, speculative_generate
@@ -215,7 +216,7 @@ class RouterCore:
         for name in names:
             if name not in self.drafters:
                 raise NotFound(f"drafter {name!r} is not served here; served drafters: {', '.join(pool)}")
-        chooser = BanditChooser(policy, self.store, key, seed=params.seed)
+        chooser = BanditChooser(policy, self.store, key, seed=params.seed, shared_sources=shared_sources(names))
         return Prepared(session, tenant, prompt_ids, params, k, policy_name, chooser,
                         {name: self.drafters[name] for name in names}, spec.stop)
 

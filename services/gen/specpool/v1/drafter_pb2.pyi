@@ -28,15 +28,17 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., exact_version: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tokens", "q", "forward_s", "weight_version", "direct")
+    __slots__ = ("tokens", "q", "forward_s", "weight_version", "direct", "source")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     forward_s: float
     weight_version: int
     direct: _common_pb2.DirectRoute
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., direct: _Optional[_Union[_common_pb2.DirectRoute, _Mapping]] = ...) -> None: ...
+    source: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., direct: _Optional[_Union[_common_pb2.DirectRoute, _Mapping]] = ..., source: _Optional[str] = ...) -> None: ...
