@@ -133,8 +133,16 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                         "emitted": [r.emitted for r in result.rounds],
                         "proposed": [r.proposed for r in result.rounds],  # verify width - 1: with arms, a cost model can replay a run
                         "drafted_k": [r.k for r in result.rounds],
+                        # Per-round call times and proposal sources: bench/policy_report.steady_walls
+                        # re-times every run with each call at its median over the prompt's runs.
+                        "draft_ms": [round(r.draft_s * 1e3, 3) for r in result.rounds],
+                        "verify_ms": [round(r.verify_s * 1e3, 3) for r in result.rounds],
+                        "other_ms": [round((r.round_s - r.draft_s - r.verify_s) * 1e3, 3) for r in result.rounds],
+                        "sources": [r.source for r in result.rounds],
                         "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
                         "leaders": [t.leader for t in result.trace] if result.trace else None,
+                        # False: a round the shared lookup answered, credited to no arm (router/bandit.py)
+                        "credited": [t.credited for t in result.trace] if result.trace else None,
                         "oracle_drafter": pick.removeprefix(FIXED) if system == ORACLE else None,
                     }
                     records.append(rec)
@@ -210,23 +218,30 @@ def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves:
         f"seeded shuffle (seed {config['seed']})" + (" — INTERRUPTED" if config["interrupted"] else ""),
         f"- **session store**: {config['store']}",
         f"- **command**: `{config['command']}`", "",
-        f"Best fixed drafter over the mixed set (pooled tokens/s): `{summary['best_fixed']}`.", "",
+        f"Best fixed drafter over the mixed set (pooled tokens/s): `{summary['best_fixed']}` measured, "
+        f"`{summary.get('steady_best_fixed')}` in steady time.", "",
         "## Headline", "",
         "*Ratio to oracle*: per category, the median over prompts of the policy's tokens/s over the oracle's on the "
-        "same prompt; then the mean over categories. *Ratio to best fixed*: median over all prompts of the per-prompt "
-        "ratio to the best fixed drafter. *Rounds / 100 tokens* is the stopping time, free of clock noise; the "
-        "stopping-time oracle (each prompt's fewest-rounds fixed drafter) needs "
+        "same prompt; then the mean over categories. *Ratio to best fixed*: the same against the best fixed drafter "
+        "(mean over categories), and the median over all prompts. *Steady*: the same ratios with every run re-timed, "
+        "each call (a draft of a given drafter, source and length; a verify of a given width) at its median over all "
+        "runs of the prompt, so a run the machine stalled does not decide a ratio; the steady oracle is each "
+        "prompt's fixed drafter with the most steady tokens/s. *Rounds / 100 tokens* is the stopping time, free of "
+        "clock noise; the stopping-time oracle (each prompt's fewest-rounds fixed drafter) needs "
         f"{policy_report._f(summary['stopping_time_oracle_rounds_per_100_tokens'], 1)}.", "",
-        "| policy | ratio to oracle, mean over categories | ratio to best fixed | rounds / 100 tokens | rounds to identify (identified) | chooser time / round time |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| policy | ratio to oracle (categories) | steady | ratio to best fixed (categories) | steady "
+        "| ratio to best fixed (prompts) | steady | rounds / 100 tokens | rounds to identify (identified) | chooser time / round time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    f = policy_report._f
     for system, s in summary["policies"].items():
         if system == "target":
             continue
         ident = "–" if s["rounds_to_identify"] is None else f"{s['rounds_to_identify']:.0f} ({100 * s['identified_share']:.0f}%)"
-        lines.append(f"| `{system}` | {policy_report._f(s['ratio_to_oracle_category_mean'], 3)} | "
-                     f"{policy_report._f(s['ratio_to_best_fixed'], 3)} | {policy_report._f(s['rounds_per_100_tokens'], 1)} | "
-                     f"{ident} | {policy_report._f(s['chooser_fraction'], 3, True)} |")
+        lines.append(f"| `{system}` | {f(s['ratio_to_oracle_category_mean'], 3)} | {f(s.get('steady_ratio_to_oracle_category_mean'), 3)} | "
+                     f"{f(s.get('ratio_to_best_fixed_category_mean'), 3)} | {f(s.get('steady_ratio_to_best_fixed_category_mean'), 3)} | "
+                     f"{f(s['ratio_to_best_fixed'], 3)} | {f(s.get('steady_ratio_to_best_fixed'), 3)} | "
+                     f"{f(s['rounds_per_100_tokens'], 1)} | {ident} | {f(s['chooser_fraction'], 3, True)} |")
     lines += ["", "## All prompts", "", policy_report.markdown_table(rows, report.ALL), "",
               "## Per category", "", policy_report.markdown_table([r for r in rows if r["category"] != report.ALL]), "",
               "Medians over prompts with [p25, p75]; *ratio to oracle / best fixed* are per-prompt tokens/s ratios; "

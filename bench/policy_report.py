@@ -15,7 +15,9 @@ Definitions (DESIGN.md vocabulary):
 - *stopping-time regret* at B tokens: rounds a policy needed to emit B tokens minus the rounds the
   prompt's stopping-time-best fixed drafter (fewest rounds) needed, averaged over prompts;
 - *rounds to identify*: the first round after which the policy's leader is that best drafter for the
-  rest of the prompt (counted only where it ends on it; the share that does is reported too).
+  rest of the prompt (counted only where it ends on it; the share that does is reported too);
+- *steady time*: a run re-timed with each of its calls at that call's median over all runs of the
+  same prompt (``steady_walls``), so one run slowed by the machine does not decide a ratio.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def _tps(r: dict) -> float | None:
     return r["new_tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
 
 
-def _pooled_tps(group: Sequence[dict]) -> float | None:
-    wall = sum(r["wall_s"] for r in group)
+def _pooled_tps(group: Sequence[dict], walls: dict | None = None) -> float | None:
+    """All tokens over all seconds; ``walls``: (system, prompt_index) -> seconds instead of wall_s."""
+    if walls is not None:
+        group = [r for r in group if (r["system"], r["prompt_index"]) in walls]
+    wall = sum(r["wall_s"] if walls is None else walls[(r["system"], r["prompt_index"])] for r in group)
     return sum(r["new_tokens"] for r in group) / wall if wall > 0 else None
 
 
@@ -47,13 +52,13 @@ def _drafter(arm: str | None) -> str | None:
     return None if arm is None else parse_arm(arm)[0]
 
 
-def best_fixed(records: Sequence[dict]) -> str | None:
-    """The fixed drafter with the highest pooled tokens/s over every prompt."""
+def best_fixed(records: Sequence[dict], walls: dict | None = None) -> str | None:
+    """The fixed drafter with the highest pooled tokens/s over every prompt (on ``walls`` if given)."""
     by_system: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r["kind"] == "fixed":
             by_system[r["system"]].append(r)
-    scored = {s: _pooled_tps(g) or 0.0 for s, g in by_system.items()}
+    scored = {s: _pooled_tps(g, walls) or 0.0 for s, g in by_system.items()}
     return max(scored, key=scored.__getitem__) if scored else None
 
 
@@ -76,6 +81,56 @@ def rounds_to_identify(leaders: Sequence[str | None], best: str) -> int | None:
         return None
     last_wrong = max((i + 1 for i, a in enumerate(leaders) if _drafter(a) != best), default=0)
     return last_wrong + 1
+
+
+def _call_keys(r: dict) -> list[tuple[tuple, tuple, tuple]]:
+    """Per round of one record: the keys its draft, verify and other times are pooled under.
+
+    A call's cost depends on what it does, not on which system asked for it: a verify on its
+    width (proposed + 1, and whether it is the request's first, which prefills the prompt); a
+    draft on the drafter, what made the proposal (lookup or the model), its length, and whether it
+    is that drafter's first call in the request (which prefills the drafter's cache)."""
+    keys, seen = [], set()
+    for j, (arm, proposed) in enumerate(zip(r["arms"], r["proposed"])):
+        drafter = _drafter(arm)
+        source = r["sources"][j]
+        first_draft = drafter is not None and source is None and drafter not in seen
+        if drafter is not None and source is None:
+            seen.add(drafter)
+        keys.append((("draft", drafter, source, proposed, first_draft), ("verify", proposed, j == 0), ("other",)))
+    return keys
+
+
+def steady_walls(records: Sequence[dict]) -> dict[tuple[str, int], float]:
+    """(system, prompt_index) -> the run's wall time with every call at its median over the
+    prompt's runs (all systems); only records that carry per-round times (draft_ms, ...) count.
+
+    The host's speed drifts and stalls: the same fixed drafter run twice on one prompt differed by
+    up to 30 % on the 2-core machines of bench/results/. Every system makes the same kinds of calls
+    (same models, same widths), so pricing each call at the median of its kind over the prompt's
+    ~13 runs keeps what differs between systems (which calls, how many) and drops the stalls."""
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("draft_ms") is not None:
+            by_prompt[r["prompt_index"]].append(r)
+    walls = {}
+    for index, group in by_prompt.items():
+        samples: dict[tuple, list[float]] = defaultdict(list)
+        keyed = []
+        for r in group:
+            keys = _call_keys(r)
+            keyed.append((r, keys))
+            for (dk, vk, ok), d, v, o in zip(keys, r["draft_ms"], r["verify_ms"], r["other_ms"]):
+                samples[dk].append(d)
+                samples[vk].append(v)
+                samples[ok].append(o)
+        median = {key: float(np.median(values)) for key, values in samples.items()}
+        for r, keys in keyed:
+            rounds_ms = sum(median[dk] + median[vk] + median[ok] for dk, vk, ok in keys)
+            # What lies outside the rounds (chooser updates, encoding) is kept as measured.
+            outside_ms = max(1e3 * r["wall_s"] - sum(r["draft_ms"]) - sum(r["verify_ms"]) - sum(r["other_ms"]), 0.0)
+            walls[(r["system"], index)] = (rounds_ms + outside_ms) / 1e3
+    return walls
 
 
 def rounds_to_reach(emitted: Sequence[int], budget: int) -> int | None:
@@ -112,11 +167,25 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
     """Rows per (category, system) plus ``all``; and a summary of the headline ratios."""
     speed = {(r["system"], r["prompt_index"]): _tps(r) for r in records}
     fixed_best = best_fixed(records)
+    # The same ratios on steady time (steady_walls). Its oracle needs no second run: each prompt's
+    # fixed drafter with the most steady tokens/s (a steady time has no stall to be lucky with).
+    walls = steady_walls(records)
+    steady = {key: r["new_tokens"] / walls[key] for r in records if (key := (r["system"], r["prompt_index"])) in walls}
+    steady_oracle: dict[int, float] = {}
+    for (system, index), value in steady.items():
+        if system.startswith(FIXED_PREFIX):
+            steady_oracle[index] = max(steady_oracle.get(index, 0.0), value)
+    steady_fixed_best = best_fixed(records, walls) if walls else None
     st_best = stopping_time_best(records)
     groups, categories, systems = group_records(records)
 
     def ratio(r: dict, other: str | None) -> float | None:
         a, b = speed[(r["system"], r["prompt_index"])], speed.get((other, r["prompt_index"]))
+        return a / b if a is not None and b else None
+
+    def steady_ratio(r: dict, other: str | None) -> float | None:
+        a = steady.get((r["system"], r["prompt_index"]))
+        b = steady_oracle.get(r["prompt_index"]) if other == ORACLE else steady.get((other, r["prompt_index"]))
         return a / b if a is not None and b else None
 
     rows = []
@@ -138,6 +207,11 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
             oracle_group = groups.get((category, ORACLE), [])
             fixed_group = groups.get((category, fixed_best), []) if fixed_best else []
             pooled, pooled_oracle, pooled_fixed = _pooled_tps(group), _pooled_tps(oracle_group), _pooled_tps(fixed_group)
+            steady_tps = summarize(steady.get((r["system"], r["prompt_index"])) for r in group)
+            steady_to_oracle = summarize(steady_ratio(r, ORACLE) for r in group)
+            steady_to_fixed = summarize(steady_ratio(r, steady_fixed_best) for r in group)
+            steady_fixed_group = groups.get((category, steady_fixed_best), []) if steady_fixed_best else []
+            steady_pooled, steady_pooled_fixed = _pooled_tps(group, walls), _pooled_tps(steady_fixed_group, walls)
             rows.append({
                 "category": category, "system": system, "kind": group[0]["kind"], "n_prompts": len(group),
                 "tokens_per_s": tps[0], "tokens_per_s_p25": tps[1], "tokens_per_s_p75": tps[2],
@@ -150,6 +224,12 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
                 "best_fixed": fixed_best,
                 "ratio_to_best_fixed": to_fixed[0], "ratio_to_best_fixed_p25": to_fixed[1], "ratio_to_best_fixed_p75": to_fixed[2],
                 "pooled_ratio_to_best_fixed": pooled / pooled_fixed if pooled and pooled_fixed else None,
+                "steady_tokens_per_s": steady_tps[0], "steady_tokens_per_s_p25": steady_tps[1], "steady_tokens_per_s_p75": steady_tps[2],
+                "steady_ratio_to_oracle": steady_to_oracle[0], "steady_ratio_to_oracle_p25": steady_to_oracle[1],
+                "steady_ratio_to_oracle_p75": steady_to_oracle[2], "steady_best_fixed": steady_fixed_best,
+                "steady_ratio_to_best_fixed": steady_to_fixed[0], "steady_ratio_to_best_fixed_p25": steady_to_fixed[1],
+                "steady_ratio_to_best_fixed_p75": steady_to_fixed[2],
+                "steady_pooled_ratio_to_best_fixed": steady_pooled / steady_pooled_fixed if steady_pooled and steady_pooled_fixed else None,
                 "chooser_fraction": sum(r.get("chooser_s") or 0.0 for r in group) / round_s if round_s and group[0]["kind"] == "policy" else None,
                 "rounds_to_identify": float(np.median(found)) if found else None,
                 "identified_share": len(found) / len(identify) if identify else None,
@@ -162,15 +242,23 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
     tokens_of = {r["prompt_index"]: r["new_tokens"] for r in records}
     best_rounds = sum(rounds_of[(FIXED_PREFIX + d, i)] for i, d in st_best.items())
     best_tokens = sum(tokens_of[i] for i in st_best)
-    summary = {"best_fixed": fixed_best, "policies": {},
+    summary = {"best_fixed": fixed_best, "steady_best_fixed": steady_fixed_best, "policies": {},
                "stopping_time_oracle_rounds_per_100_tokens": 100.0 * best_rounds / best_tokens if best_tokens else None}
-    for system in systems:
+    def category_mean(system: str, key: str) -> float | None:
         # Medians of per-prompt ratios (robust to a slow outlier run), averaged over categories.
-        cells = [by_key[(c, system)]["ratio_to_oracle"] for c in categories if (c, system) in by_key]
+        cells = [by_key[(c, system)][key] for c in categories if (c, system) in by_key]
         cells = [c for c in cells if c is not None]
+        return float(np.mean(cells)) if cells else None
+
+    for system in systems:
         overall = by_key.get((ALL, system))
         summary["policies"][system] = {
-            "ratio_to_oracle_category_mean": float(np.mean(cells)) if cells else None,
+            "ratio_to_oracle_category_mean": category_mean(system, "ratio_to_oracle"),
+            "ratio_to_best_fixed_category_mean": category_mean(system, "ratio_to_best_fixed"),
+            "steady_ratio_to_oracle_category_mean": category_mean(system, "steady_ratio_to_oracle"),
+            "steady_ratio_to_best_fixed_category_mean": category_mean(system, "steady_ratio_to_best_fixed"),
+            "steady_ratio_to_best_fixed": overall["steady_ratio_to_best_fixed"] if overall else None,
+            "steady_pooled_ratio_to_best_fixed": overall["steady_pooled_ratio_to_best_fixed"] if overall else None,
             "ratio_to_best_fixed": overall["ratio_to_best_fixed"] if overall else None,
             "pooled_ratio_to_best_fixed": overall["pooled_ratio_to_best_fixed"] if overall else None,
             "rounds_per_100_tokens": overall["rounds_per_100_tokens"] if overall else None,

@@ -93,3 +93,69 @@ def test_markdown_and_plots(tmp_path):
     pr.plot_arm_choices(RECORDS, "p", tmp_path / "arms.png")
     pr.plot_regret(pr.regret_curves(RECORDS, [2, 4, 8]), [2, 4, 8], tmp_path / "regret.png", "t")
     assert (tmp_path / "arms.png").stat().st_size > 1000 and (tmp_path / "regret.png").stat().st_size > 1000
+
+
+# -- steady time: every call priced at its median over the prompt's runs ----------------------------
+
+def timed(i, system, kind, arms, proposed, draft_ms, verify_ms, sources=None, tokens=None, outside_ms=0.0):
+    emitted = [p + 1 for p in proposed]
+    other_ms = [1.0] * len(arms)
+    wall = (sum(draft_ms) + sum(verify_ms) + sum(other_ms) + outside_ms) / 1e3
+    r = rec(i, "code", system, kind, tokens or sum(emitted), wall, emitted, arms)
+    r.update(proposed=proposed, draft_ms=draft_ms, verify_ms=verify_ms, other_ms=other_ms,
+             sources=sources or [None] * len(arms))
+    return r
+
+
+def test_call_keys_separate_what_costs_differently():
+    r = timed(0, "p", "policy", ["lookup:x", "lookup:x", "lookup:x", "ngram", None], [3, 2, 2, 0, 0],
+              [0.2, 30.0, 9.0, 0.1, 0.0], [90, 60, 60, 45, 45], sources=["lookup", None, None, None, None])
+    drafts, verifies = [k[0] for k in pr._call_keys(r)], [k[1] for k in pr._call_keys(r)]
+    assert drafts == [("draft", "lookup:x", "lookup", 3, False),  # a lookup copy: no model call, no prefill
+                      ("draft", "lookup:x", None, 2, True),  # the model's first call: it prefills its cache
+                      ("draft", "lookup:x", None, 2, False),
+                      ("draft", "ngram", None, 0, True),  # an n-gram miss
+                      ("draft", None, None, 0, False)]  # a target-only round
+    assert verifies == [("verify", 3, True), ("verify", 2, False), ("verify", 2, False), ("verify", 0, False),
+                        ("verify", 0, False)]
+
+
+def test_a_stalled_call_is_priced_at_its_median():
+    calm = timed(0, "fixed:a", "fixed", ["a", "a"], [2, 2], [10.0, 10.0], [80.0, 50.0])
+    stalled = timed(0, "fixed:b", "fixed", ["b", "b"], [2, 2], [10.0, 10.0], [80.0, 500.0])
+    other = timed(0, "fixed:c", "fixed", ["c", "c"], [2, 2], [10.0, 10.0], [80.0, 50.0], outside_ms=7.0)
+    walls = pr.steady_walls([calm, stalled, other])
+    # verify (2, later round): median of 50, 500, 50 = 50; drafts per drafter (each its own median)
+    assert walls[("fixed:b", 0)] == pytest.approx((10 + 80 + 1 + 10 + 50 + 1) / 1e3)
+    assert walls[("fixed:a", 0)] == pytest.approx(calm["wall_s"])
+    assert walls[("fixed:c", 0)] == pytest.approx(other["wall_s"])  # time outside the rounds kept as measured
+    assert pr.steady_walls([rec(0, "code", "fixed:a", "fixed", 8, 2.0, [4, 4], ["a", "a"])]) == {}  # no call times
+
+
+def test_steady_ratios_use_each_prompts_best_fixed_drafter():
+    records = [
+        timed(0, "target", "target", [None] * 6, [0] * 6, [0.0] * 6, [50.0] * 6),
+        timed(0, "fixed:a", "fixed", ["a", "a"], [2, 2], [10.0, 10.0], [60.0, 60.0]),  # 6 tokens, 142 ms
+        timed(0, "fixed:b", "fixed", ["b", "b", "b"], [1, 1, 0], [5.0, 5.0, 5.0], [55.0, 55.0, 50.0]),
+        # the policy's second verify stalls (900 ms measured); steady prices it at the median
+        timed(0, "p", "policy", ["b", "a"], [1, 2], [5.0, 10.0], [55.0, 900.0], tokens=5),
+        timed(0, "oracle", "oracle", ["a", "a"], [2, 2], [10.0, 10.0], [60.0, 60.0]),
+    ]
+    rows, summary = pr.aggregate(records)
+    p = row(rows, "code", "p")
+    steady_p = 5 / ((5 + 55 + 1 + 10 + 60 + 1) / 1e3)
+    steady_a = 6 / ((10 + 60 + 1) * 2 / 1e3)
+    assert p["steady_tokens_per_s"] == pytest.approx(steady_p)
+    assert p["steady_ratio_to_oracle"] == pytest.approx(steady_p / steady_a)
+    assert p["ratio_to_oracle"] < 0.2 < p["steady_ratio_to_oracle"]  # the stall decided the measured ratio
+    assert summary["steady_best_fixed"] == "fixed:a"
+    assert summary["policies"]["p"]["steady_ratio_to_oracle_category_mean"] == pytest.approx(steady_p / steady_a)
+    assert summary["policies"]["p"]["steady_ratio_to_best_fixed"] == pytest.approx(steady_p / steady_a)
+
+
+def test_records_without_call_times_have_no_steady_figures():
+    rows, summary = pr.aggregate(RECORDS)
+    assert row(rows, "all", "p")["steady_ratio_to_oracle"] is None
+    assert summary["steady_best_fixed"] is None
+    assert summary["policies"]["p"]["steady_ratio_to_oracle_category_mean"] is None
+    assert summary["policies"]["p"]["ratio_to_best_fixed_category_mean"] == pytest.approx(((8 / 3) / 2 + (8 / 4) / 4) / 2)
