@@ -88,16 +88,19 @@ def _call_keys(r: dict) -> list[tuple[tuple, tuple, tuple]]:
 
     A call's cost depends on what it does, not on which system asked for it: a verify on its
     width (proposed + 1, and whether it is the request's first, which prefills the prompt); a
-    draft on the drafter, what made the proposal (lookup or the model), its length, and whether it
-    is that drafter's first call in the request (which prefills the drafter's cache)."""
-    keys, seen = [], set()
+    draft on the drafter, what made the proposal (lookup or the model), its length, and how much
+    the drafter's cache must catch up: "first" (its first model call in the request prefills the
+    prompt), "gap" (other rounds came between: it feeds their tokens first, as after a switch of
+    arms) or "next" (its own previous round was the one before)."""
+    keys, last_call = [], {}
     for j, (arm, proposed) in enumerate(zip(r["arms"], r["proposed"])):
         drafter = _drafter(arm)
         source = r["sources"][j]
-        first_draft = drafter is not None and source is None and drafter not in seen
+        catch_up = None
         if drafter is not None and source is None:
-            seen.add(drafter)
-        keys.append((("draft", drafter, source, proposed, first_draft), ("verify", proposed, j == 0), ("other",)))
+            catch_up = "first" if drafter not in last_call else "next" if last_call[drafter] == j - 1 else "gap"
+            last_call[drafter] = j
+        keys.append((("draft", drafter, source, proposed, catch_up), ("verify", proposed, j == 0), ("other",)))
     return keys
 
 

@@ -108,16 +108,17 @@ def timed(i, system, kind, arms, proposed, draft_ms, verify_ms, sources=None, to
 
 
 def test_call_keys_separate_what_costs_differently():
-    r = timed(0, "p", "policy", ["lookup:x", "lookup:x", "lookup:x", "ngram", None], [3, 2, 2, 0, 0],
-              [0.2, 30.0, 9.0, 0.1, 0.0], [90, 60, 60, 45, 45], sources=["lookup", None, None, None, None])
+    r = timed(0, "p", "policy", ["lookup:x", "lookup:x", "lookup:x", "ngram", None, "lookup:x"], [3, 2, 2, 0, 0, 2],
+              [0.2, 30.0, 9.0, 0.1, 0.0, 12.0], [90, 60, 60, 45, 45, 60], sources=["lookup", None, None, None, None, None])
     drafts, verifies = [k[0] for k in pr._call_keys(r)], [k[1] for k in pr._call_keys(r)]
-    assert drafts == [("draft", "lookup:x", "lookup", 3, False),  # a lookup copy: no model call, no prefill
-                      ("draft", "lookup:x", None, 2, True),  # the model's first call: it prefills its cache
-                      ("draft", "lookup:x", None, 2, False),
-                      ("draft", "ngram", None, 0, True),  # an n-gram miss
-                      ("draft", None, None, 0, False)]  # a target-only round
+    assert drafts == [("draft", "lookup:x", "lookup", 3, None),  # a lookup copy: no model call
+                      ("draft", "lookup:x", None, 2, "first"),  # the model's first call: it prefills its cache
+                      ("draft", "lookup:x", None, 2, "next"),
+                      ("draft", "ngram", None, 0, "first"),  # an n-gram miss
+                      ("draft", None, None, 0, None),  # a target-only round
+                      ("draft", "lookup:x", None, 2, "gap")]  # two rounds' tokens to catch up first
     assert verifies == [("verify", 3, True), ("verify", 2, False), ("verify", 2, False), ("verify", 0, False),
-                        ("verify", 0, False)]
+                        ("verify", 0, False), ("verify", 2, False)]
 
 
 def test_a_stalled_call_is_priced_at_its_median():
