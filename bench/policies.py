@@ -141,8 +141,6 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                         "sources": [r.source for r in result.rounds],
                         "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
                         "leaders": [t.leader for t in result.trace] if result.trace else None,
-                        # False: a round the shared lookup answered, credited to no arm (router/bandit.py)
-                        "credited": [t.credited for t in result.trace] if result.trace else None,
                         "oracle_drafter": pick.removeprefix(FIXED) if system == ORACLE else None,
                     }
                     records.append(rec)

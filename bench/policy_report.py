@@ -93,9 +93,8 @@ def _call_keys(r: dict) -> list[tuple[tuple, tuple, tuple]]:
     prompt), "gap" (other rounds came between: it feeds their tokens first, as after a switch of
     arms) or "next" (its own previous round was the one before)."""
     keys, last_call = [], {}
-    for j, (arm, proposed) in enumerate(zip(r["arms"], r["proposed"])):
+    for j, (arm, proposed, source) in enumerate(zip(r["arms"], r["proposed"], r["sources"])):
         drafter = _drafter(arm)
-        source = r["sources"][j]
         catch_up = None
         if drafter is not None and source is None:
             catch_up = "first" if drafter not in last_call else "next" if last_call[drafter] == j - 1 else "gap"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from drafters.base import Drafter
+from drafters.base import LOOKUP_SOURCE, Drafter
 from router.errors import NotFound
 
 
@@ -61,8 +61,6 @@ _LOOKUP_KINDS = ("ngram", "lookup")
 def shared_sources(specs: list[str]) -> frozenset[str]:
     """The proposal sources that two or more of these drafters share: rounds from them cannot tell
     the drafters apart. ``ngram`` + ``lookup:code`` share the lookup; ``ngram`` + ``code`` share nothing."""
-    from drafters.base import LOOKUP_SOURCE
-
     with_lookup = {s for s in specs if s.partition(":")[0] in _LOOKUP_KINDS}
     return frozenset({LOOKUP_SOURCE}) if len(with_lookup) >= 2 else frozenset()
 

@@ -85,21 +85,17 @@ class BanditChooser:
             return
         started = time.perf_counter()
         arm = self._pending
-        if record.source is not None and record.source in self.shared_sources:
-            self.shared_rounds += 1
-            if self.trace is not None:
-                leader = self.policy.leader(self._committed) if self._committed is not None else None
-                self.trace.append(TraceEntry(self._round, arm, leader, credited=False))
-            self._pending = None
-            self.overhead_s += time.perf_counter() - started
-            return
 
         def apply(state: dict | None) -> tuple[dict, ArmStats]:
             return self.policy.update(self._state(state), arm, record)
 
-        new_state = self.store.transact(self.key, apply)
-        self._committed = new_state
+        credited = record.source is None or record.source not in self.shared_sources
+        if credited:
+            self._committed = self.store.transact(self.key, apply)
+        else:
+            self.shared_rounds += 1
         if self.trace is not None:
-            self.trace.append(TraceEntry(self._round, arm, self.policy.leader(new_state)))
+            leader = self.policy.leader(self._committed) if self._committed is not None else None
+            self.trace.append(TraceEntry(self._round, arm, leader, credited))
         self._pending = None
         self.overhead_s += time.perf_counter() - started

@@ -10,8 +10,8 @@ oneDNN can pack a weight once, at load time, into the layout its GEMM kernels re
 (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing pass uses). Packed
 for 8 rows, a verify forward of 2 to 8 positions costs 1.1 to 1.4 decode steps in the same
 benchmark, a decode step takes 0.88x as long as plain, and outcomes are identical. Each output row
-comes out bit-identical whatever the number of rows in the call (``tests/unit/test_cpu_linear.py``), so a linear layer gives a position the
-same numbers in a verify forward as in a decode step.
+comes out bit-identical whatever the number of rows in the call (``tests/unit/test_cpu_linear.py``),
+so a linear layer gives a position the same numbers in a verify forward as in a decode step.
 
 This is inference only (no autograd through the packed weight); it applies to float32 models on
 the CPU. GPUs and other dtypes keep ``nn.Linear``.
