@@ -48,7 +48,7 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join([
         "specpool", "bench", "--policies", args.policies, "--pool", ",".join(args.pool_list), "--prompts", str(args.prompts),
         "--limit-per-category", str(args.limit_per_category), "--max-new-tokens", str(args.max_new_tokens),
-        "-k", str(args.k), "--beta", str(args.beta), "--store", args.store, "--seed", str(args.seed),
+        "-k", str(args.k), "--beta", str(args.beta), "--probe-rounds", str(args.probe_rounds), "--store", args.store, "--seed", str(args.seed),
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
         "--cpu-linear", args.cpu_linear,
     ])
@@ -65,7 +65,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
 
     check(args.max_new_tokens >= 2, f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
     validate_draft_length(args.k)
-    options = PolicyOptions(beta=args.beta)
+    options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
     options.validate()
     pool = parse_drafters(args.pool) if args.pool else default_pool()
     args.pool_list = pool
@@ -137,7 +137,10 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                         # re-times every run with each call at its median over the prompt's runs.
                         "draft_ms": [round(r.draft_s * 1e3, 3) for r in result.rounds],
                         "verify_ms": [round(r.verify_s * 1e3, 3) for r in result.rounds],
-                        "other_ms": [round((r.round_s - r.draft_s - r.verify_s) * 1e3, 3) for r in result.rounds],
+                        "other_ms": [round((r.round_s - r.draft_s - r.verify_s - r.replay_s) * 1e3, 3) for r in result.rounds],
+                        # ucb-replay's side observations: their time, and which drafters were replayed
+                        "replay_ms": [round(r.replay_s * 1e3, 3) for r in result.rounds],
+                        "replayed": [sorted(r.replays) if r.replays else [] for r in result.rounds],
                         "sources": [r.source for r in result.rounds],
                         "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
                         "leaders": [t.leader for t in result.trace] if result.trace else None,
@@ -162,7 +165,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     config = {
         "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
         "pool": pool, "policies": policies, "systems": systems + ([ORACLE] if ORACLE in policies else []),
-        "k": args.k, "beta": args.beta, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "k": args.k, "beta": args.beta, "probe_rounds": args.probe_rounds, "max_new_tokens": args.max_new_tokens, "temperature": 0,
         "store": store.describe, "prompts_file": str(prompts_path), "n_prompts": n_done, "seed": args.seed,
         "limit_per_category": args.limit_per_category, "order": "seeded shuffle of the prompts; systems back to back per prompt, order rotated",
         "command": command_line(args), "interrupted": interrupted,

@@ -91,7 +91,8 @@ def _call_keys(r: dict) -> list[tuple[tuple, tuple, tuple]]:
     draft on the drafter, what made the proposal (lookup or the model), its length, and how much
     the drafter's cache must catch up: "first" (its first model call in the request prefills the
     prompt), "gap" (other rounds came between: it feeds their tokens first, as after a switch of
-    arms) or "next" (its own previous round was the one before)."""
+    arms) or "next" (its own previous round, or a replay of it, was the one before). Replays
+    themselves (``replay_ms``) are left out of the keys: steady time keeps them as measured."""
     keys, last_call = [], {}
     for j, (arm, proposed, source) in enumerate(zip(r["arms"], r["proposed"], r["sources"])):
         drafter = _drafter(arm)
@@ -100,6 +101,8 @@ def _call_keys(r: dict) -> list[tuple[tuple, tuple, tuple]]:
             catch_up = "first" if drafter not in last_call else "next" if last_call[drafter] == j - 1 else "gap"
             last_call[drafter] = j
         keys.append((("draft", drafter, source, proposed, catch_up), ("verify", proposed, j == 0), ("other",)))
+        for replayed in (r.get("replayed") or [[]] * len(r["arms"]))[j]:
+            last_call[replayed] = j  # a replay (ucb-replay) brought that drafter's cache up to date
     return keys
 
 

@@ -56,6 +56,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
     policies.add_argument("--pool", default=None, help="drafters the policies choose among (default: ngram and every shipped zoo drafter)")
     policies.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight (default 0.2)")
+    policies.add_argument("--probe-rounds", type=int, default=4,
+                          help="ucb-replay: rounds in which every drafter is replayed on the target's tokens (default 4)")
     policies.add_argument("--store", default="memory", help="session store: memory (default) or redis://HOST:PORT/DB")
     policies.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle and the policies")
     from bench.online import add_bench_online_arguments

@@ -61,3 +61,34 @@ class Drafter(Protocol):
     def release(self, session_id: str) -> None:
         """Forget the session (its KV cache, if any)."""
         ...
+
+
+@runtime_checkable
+class Replayable(Protocol):
+    """A drafter that can say what it *would* have had accepted in a round it did not draft.
+
+    After a greedy round the target's tokens are known, so a drafter fed them teacher-forced
+    predicts every position in one forward and its would-be acceptance follows exactly: the
+    bandit gets a side observation of an arm it did not play (router/policies.ReplayUCB).
+    """
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int | None:
+        """How many draft tokens this drafter, asked for up to k tokens after ``context_ids``
+        under greedy ``params``, would have had accepted, given that the target's own tokens
+        there are ``continuation``. Exact when below ``len(continuation)``; a lower bound when
+        equal (the target's tokens past it are unknown); None where it cannot say (a wrapper
+        around a drafter that cannot replay). Mutates nothing a later ``propose``
+        depends on, beyond caching the context."""
+        ...
+
+
+def leading_matches(proposed: list[int], continuation: list[int]) -> int:
+    """Greedy acceptance: how many of ``proposed`` agree with ``continuation`` before the first
+    difference."""
+    accepted = 0
+    for mine, theirs in zip(proposed, continuation):
+        if mine != theirs:
+            break
+        accepted += 1
+    return accepted

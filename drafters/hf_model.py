@@ -48,6 +48,7 @@ class HFModelDrafter:
         self.cost = CostMeter()
         # Models with a reduced output vocabulary (zoo drafters) map their indices to token ids.
         self.output_ids = output_ids
+        self.replay_s = 0.0  # time spent in replay(), a raw counter
 
     def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
         """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the
@@ -86,6 +87,30 @@ class HFModelDrafter:
                     break
         self.cost.record(time.perf_counter() - started, len(tokens))
         return Proposal(tokens, q, forward_s)
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int:
+        """``drafters.base.Replayable``: the target's tokens fed teacher-forced in one forward;
+        a position is proposed while the drafter agrees with them and its confidence stop (as in
+        ``propose``) has not fired. The cache then holds the context and the continuation but its
+        last token, so a later ``propose`` only catches up on what follows."""
+        if not params.greedy:
+            raise InvalidArgument("replay needs greedy decoding: a sampled draft is not determined by the context")
+        n = min(k, len(continuation))
+        if n <= 0:
+            return 0
+        started = time.perf_counter()
+        logits = self.caches.get(session_id).logits(context_ids + continuation[: n - 1], n_last=n)  # (n, V)
+        accepted = 0
+        for i in range(n):
+            if int(self.proposal_dist(logits[i], params).token_ids[0]) != continuation[i]:
+                break
+            accepted = i + 1
+            if self.confidence_threshold > 0.0 and i + 1 < k:
+                if float(torch.softmax(logits[i].float(), dim=-1).max()) < self.confidence_threshold:
+                    break  # propose would have stopped here
+        self.replay_s += time.perf_counter() - started
+        return accepted
 
     def release(self, session_id: str) -> None:
         self.caches.release(session_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from drafters.base import CostMeter, Drafter, Proposal
+from drafters.base import CostMeter, Drafter, Proposal, leading_matches
 from drafters.ngram import NGramDrafter
 from drafters.registry import DrafterContext, create_drafter, register_drafter
 from router.errors import InvalidArgument
@@ -45,6 +45,16 @@ class LookupFirstDrafter:
             self.inner_rounds += 1
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int | None:
+        """``drafters.base.Replayable``: the lookup's would-be copy where it matches, else the inner
+        drafter's replay (None when the inner drafter cannot replay)."""
+        copied = self.lookup.would_propose(session_id, context_ids, k)
+        if copied:
+            return leading_matches(copied, continuation)
+        inner = getattr(self.inner, "replay", None)
+        return inner(session_id, context_ids, continuation, k, params) if inner is not None else None
 
     def release(self, session_id: str) -> None:
         self.lookup.release(session_id)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from drafters.base import LOOKUP_SOURCE, CostMeter, Proposal
+from drafters.base import LOOKUP_SOURCE, CostMeter, Proposal, leading_matches
 from drafters.registry import DrafterContext, register_drafter
 from router.errors import InvalidArgument
 from target.rejection import SparseDist
@@ -96,20 +96,40 @@ class NGramDrafter:
         return Proposal(continuation, [SparseDist.one_hot(t) for t in continuation],
                         source=LOOKUP_SOURCE if continuation else None)
 
+    def would_propose(self, session_id: str, context_ids: list[int], k: int) -> list[int]:
+        """What ``propose`` would return after ``context_ids``, changing no state."""
+        continuation = self.lookup(context_ids, k)
+        if self.adaptive and continuation:
+            stats = self._sessions.get(session_id)
+            stats = self._scored(replace(stats) if stats is not None else self._fresh(), context_ids)
+            continuation = continuation[: best_draft_length(stats.rate, min(k, len(continuation)), self.verify_cost_per_token)]
+        return continuation
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int:
+        """``drafters.base.Replayable``: the lookup is model-free, so this is just its would-be
+        proposal against the target's tokens (a miss: 0)."""
+        return leading_matches(self.would_propose(session_id, context_ids, k), continuation)
+
+    def _fresh(self) -> _SessionStats:
+        return _SessionStats(self.prior_acceptance * self.prior_weight, self.prior_weight)
+
     def _observe(self, session_id: str, context_ids: list[int]) -> _SessionStats:
         """Score the session's previous proposal against the context that followed it."""
         stats = self._sessions.pop(session_id, None)
         if stats is None:
-            stats = _SessionStats(self.prior_acceptance * self.prior_weight, self.prior_weight)
+            stats = self._fresh()
         self._sessions[session_id] = stats
         while len(self._sessions) > self.session_capacity:
             self._sessions.popitem(last=False)
+        return self._scored(stats, context_ids)
+
+    def _scored(self, stats: _SessionStats, context_ids: list[int]) -> _SessionStats:
+        """``stats`` after scoring its pending proposal against ``context_ids`` (in place)."""
         if stats.last_proposal and len(context_ids) > stats.last_context_length:
             start = stats.last_context_length
             arrived = context_ids[start:start + len(stats.last_proposal)]
-            accepted = 0
-            while accepted < len(arrived) and arrived[accepted] == stats.last_proposal[accepted]:
-                accepted += 1
+            accepted = leading_matches(list(stats.last_proposal), arrived)
             # Tokens after the first rejection were never tested: count accepted + 1 trials
             # (or all of them when everything was accepted).
             tried = min(accepted + 1, len(stats.last_proposal))

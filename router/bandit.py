@@ -56,6 +56,7 @@ class BanditChooser:
         self._prior: ArmStats | None = None
         self._round = 0
         self._committed: dict | None = None  # the state this request's last update wrote
+        self._selected_from: dict | None = None  # the state the pending choice was made from
 
     def _state(self, state: dict | None) -> dict:
         return state if state is not None else self.policy.init_state(self._prior)
@@ -70,6 +71,7 @@ class BanditChooser:
                 self._prior = tenant_stats if self.policy.warm is not None else None
             state = self._state(state)
         self._round = int(state["t"])
+        self._selected_from = state
         # A generator per (seed, session, round): the same seed repeats the same choices, and the
         # policy's draws never share a stream with acceptance sampling (target/sampling.py).
         rng = random.Random(f"policy:{self.seed}:{self.key.session}:{self._round}")
@@ -77,6 +79,18 @@ class BanditChooser:
         drafter, k = parse_arm(self._pending)
         self.overhead_s += time.perf_counter() - started
         return Choice(drafter, k)
+
+    def replay_arms(self, source: str | None) -> list[str]:
+        """The drafters to replay on this round's target tokens: while the policy wants side
+        observations (router/policies.ReplayUCB), every drafter of the pool but the one played.
+        A shared-source round is credited to no arm, so it is replayed by none either."""
+        wants = getattr(self.policy, "wants_replay", None)
+        if wants is None or self._pending is None or (source is not None and source in self.shared_sources):
+            return []
+        if self._selected_from is None or not wants(self._selected_from):
+            return []
+        played = parse_arm(self._pending)[0]
+        return [d for d in dict.fromkeys(parse_arm(a)[0] for a in self.policy.arms) if d != played]
 
     def update(self, record: RoundRecord) -> None:
         # A round with nothing to draft (k capped to 0 on the last token) says nothing about arms.

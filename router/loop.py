@@ -35,6 +35,10 @@ class RoundRecord:
     draft_forward_s: float = 0.0  # time spent inside the drafter's model forwards
     verify_forward_s: float = 0.0  # time spent inside the target's forward
     source: str | None = None  # the proposal's source (drafters.base.LOOKUP_SOURCE); None: the drafter's own
+    # Side observations (router/policies.ReplayUCB): drafter -> the accepted count it would have
+    # had this round, replayed on the target's tokens; and the time those replays took.
+    replays: Mapping[str, int] | None = None
+    replay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class RoundFeedback:
 
 
 class DrafterChooser(Protocol):
-    """Picks the drafter for each round and learns from its outcome (policies in router/)."""
+    """Picks the drafter for each round and learns from its outcome (policies in router/).
+
+    A chooser may also have ``replay_arms(source) -> Sequence[str]``: the drafters to replay on
+    this round's target tokens (side observations for arms it did not play; greedy rounds only)."""
 
     def select(self) -> Choice: ...
 
@@ -118,6 +125,28 @@ def block_divergence(tv: list[float]) -> float | None:
 _EMPTY = Proposal([], [])
 
 
+def _replay(chooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int], target_tokens: list[int],
+            k: int, params: SamplingParams, proposal: Proposal) -> tuple[dict[str, int] | None, float]:
+    """Replay the drafters the chooser asks for on the target's tokens of this round (greedy
+    only: a sampled draft is not determined by the context). Drafters that cannot replay, or
+    answer None, are left out."""
+    replay_arms = getattr(chooser, "replay_arms", None)
+    if replay_arms is None or not params.greedy or k <= 0 or not target_tokens:
+        return None, 0.0
+    names = replay_arms(proposal.source)
+    if not names:
+        return None, 0.0
+    started = time.perf_counter()
+    replays = {}
+    for name in names:
+        replay = getattr(drafters.get(name), "replay", None)
+        if replay is not None:
+            accepted = replay(session_id, context, target_tokens, k, params)
+            if accepted is not None:
+                replays[name] = accepted
+    return replays, time.perf_counter() - started
+
+
 def speculative_generate(
     prompt_ids: list[int],
     *,
@@ -174,6 +203,7 @@ def speculative_generate(
         generated.extend(emitted)
         if on_tokens is not None:
             on_tokens(emitted)
+        replays, replay_s = _replay(chooser, drafters, session_id, context, result.tokens, k_round, params, proposal)
         record = RoundRecord(
             drafter=name,
             k=k_round if name is not None else 0,
@@ -187,6 +217,8 @@ def speculative_generate(
             draft_forward_s=proposal.forward_s,
             verify_forward_s=result.forward_s,
             source=proposal.source,
+            replays=replays,
+            replay_s=replay_s,
         )
         rounds.append(record)
         chooser.update(record)

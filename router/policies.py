@@ -176,6 +176,47 @@ class UCB(Policy):
 
 
 @dataclass(frozen=True)
+class ReplayUCB(UCB):
+    """UCB on block efficiency with side observations: for the first ``probe_rounds`` rounds of a
+    session, every other drafter of the pool is *replayed* on the target's tokens of the round
+    (teacher-forced, one forward each: drafters.base.Replayable) and credited the accepted count
+    it would have had, as if it had been played too. A greedy round's target tokens are what any
+    arm would have been checked against, so this is what that arm's round would have scored,
+    except that it is capped at the tokens the target emitted (a lower bound for an arm better
+    than the one played; the played arm's own count is exact, so the comparison leans towards
+    the arm in play, never away from it).
+
+    Why BE and not BD: BD also scores the positions after the first rejection, which only the
+    arm actually played has; replayed arms have exactly the accepted count. Why only a few
+    rounds: each replay is one drafter forward (~4 ms on a 2-core CPU against a ~75 ms round),
+    worth paying while the arms are unknown, not once one clearly leads. The probe replaces
+    "every arm once": arms replayed are no longer unexplored. Sampled requests get no replays
+    (a sampled draft is not determined by the context) and run as plain UCB on BE."""
+
+    probe_rounds: int = 4
+
+    def init_state(self, prior: ArmStats | None = None) -> dict:
+        # Probe rounds are counted apart from t, which a warm start seeds with the prior's weight.
+        return {**super().init_state(prior), "probed": 0}
+
+    def wants_replay(self, state: dict) -> bool:
+        return state.get("probed", 0) < self.probe_rounds
+
+    def update(self, state: dict, arm: str, record: RoundRecord) -> tuple[dict, ArmStats]:
+        new, increments = super().update(state, arm, record)
+        new["probed"] = state.get("probed", 0) + (1 if record.replays is not None else 0)
+        if record.replays:
+            k = max(record.k, 1)
+            arms = {a: dict(st) for a, st in new["arms"].items()}
+            for other, accepted in record.replays.items():
+                if other in arms and other != arm:
+                    arms[other]["n"] += 1.0
+                    arms[other]["s"] += min(accepted, k) / k
+            new = {**new, "arms": arms}
+        return new, increments
+
+
+@dataclass(frozen=True)
 class DiscountedUCB(UCB):
     """Discounted UCB (Garivier & Moulines 2011): counts and sums decay by γ each round, so old
     evidence fades and a domain change inside one long session is tracked (window ≈ 1/(1-γ))."""
@@ -315,6 +356,7 @@ class PolicyOptions:
     gamma_discount: float = 0.99  # ucb-discounted: per-round discount γ (evidence window ≈ 100 rounds)
     gamma_exp3: float = 0.1  # exp3: exploration mix γ
     k_choices: tuple[int, ...] = DEFAULT_K_CHOICES  # ucb-cost-k: draft lengths paired with each drafter
+    probe_rounds: int = 4  # ucb-replay: rounds at the start of a session in which every drafter is replayed
     warm: WarmStart = field(default_factory=WarmStart)
 
     def validate(self) -> None:
@@ -323,6 +365,7 @@ class PolicyOptions:
         check(0 < self.gamma_exp3 <= 1, f"exp3's gamma must be in (0, 1], got {self.gamma_exp3}")
         check(bool(self.k_choices) and all(1 <= k <= 32 for k in self.k_choices),
               f"draft lengths to pair with drafters must be in 1..32, got {self.k_choices}")
+        check(self.probe_rounds >= 1, f"probe rounds must be >= 1, got {self.probe_rounds}")
         check(self.warm.weight > 0 and self.warm.cap > 0, "warm start weight and cap must be > 0")
 
 
@@ -338,6 +381,8 @@ POLICIES: dict[str, tuple[str, _Builder]] = {
                  lambda arms, o: UCB("ucb-cost", arms, "rate", beta=o.beta)),
     "ucb-cost-k": ("UCB on tokens per second over (drafter, draft length) pairs",
                    lambda arms, o: UCB("ucb-cost-k", tuple(arm_name(a, k) for a in arms for k in o.k_choices), "rate", beta=o.beta)),
+    "ucb-replay": ("UCB on BE; every drafter replayed on the target's tokens in the first rounds (side observations)",
+                   lambda arms, o: ReplayUCB("ucb-replay", arms, "be", beta=o.beta, probe_rounds=o.probe_rounds)),
     "ucb-discounted": ("discounted UCB on BD, for domain changes inside one session",
                        lambda arms, o: DiscountedUCB("ucb-discounted", arms, "bd", beta=o.beta, gamma=o.gamma_discount)),
     "thompson": ("Thompson sampling, Beta posteriors on BD",

@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one fixed drafter: a spec (ngram, code, hf:PATH, ...) or none; default ngram unless --policy is given")
     gen.add_argument("--policy", default=None,
                      help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
-                          "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, random, fixed:NAME; append +warm for tenant warm start")
+                          "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, ucb-replay, random, fixed:NAME; append +warm for tenant warm start")
     gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default: ngram and every shipped zoo drafter)")
     gen.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight β > 0 (default 0.2)")
+    gen.add_argument("--probe-rounds", type=int, default=4,
+                     help="ucb-replay: rounds in which every drafter is replayed on the target's tokens (default 4)")
     gen.add_argument("--tenant", default="default", help="tenant whose statistics a +warm policy starts from (default: default)")
     gen.add_argument("--session", default=None, help="session id: bandit state carries over between requests of one session")
     gen.add_argument("--store", default="memory", help="bandit state store: memory (default) or redis://HOST:PORT/DB")
@@ -157,7 +159,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     drafter = None if args.drafter == "none" else (args.drafter or ("ngram" if args.policy is None else None))
     names = ", ".join(shipped_names() + [f"{kind}:..." for kind in drafter_kinds() if kind != "ngram"] + ["ngram", "none"])
     pool = None
-    options = PolicyOptions(beta=args.beta)
+    options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
     if args.policy is not None:
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
@@ -238,6 +240,8 @@ def _trace_printer():
         # BD as the policies see it: over the k positions asked for (router/policies.py).
         bd = "-" if record.drafter is None or record.k == 0 else f"{round_rewards(record)['bd']:.2f}"
         source = f"  ({record.source})" if record.source else ""  # "(lookup)": made by the prompt lookup
+        if record.replays:  # ucb-replay's side observations: what the other drafters would have had accepted
+            source += "  replayed " + " ".join(f"{name}={n}" for name, n in record.replays.items())
         print(f"round {next(counter):>3}  drafter {record.drafter or 'none':<18} k {record.k}  "
               f"proposed {record.proposed}  accepted {record.accepted}  BD {bd}  {record.round_s * 1e3:.0f} ms{source}",
               file=sys.stderr, flush=True)
