@@ -129,6 +129,51 @@ def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb
                                        source=proposal.source or "")
 
 
+# -- Drafter.Replay -----------------------------------------------------------------------------------
+def replay_request_to_proto(session_id: str, context_ids: list[int], continuation: list[int], k: int,
+                            params: SamplingParams, drafter: str = "", tenant: str = "",
+                            weight_version: int | None = None) -> drafter_pb2.ReplayRequest:
+    """``weight_version`` as in ``propose_request_to_proto``."""
+    return drafter_pb2.ReplayRequest(session_id=session_id, context_ids=context_ids, continuation=continuation, k=k,
+                                     sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
+                                     weight_version=weight_version or 0, exact_version=weight_version is not None)
+
+
+@dataclass(frozen=True)
+class ReplayArgs:
+    """A ReplayRequest as the arguments of ``Drafter.replay`` (plus the routing fields of ProposeArgs)."""
+
+    session_id: str
+    context_ids: list[int]
+    continuation: list[int]
+    k: int
+    params: SamplingParams
+    drafter: str
+    tenant: str = ""
+    weight_version: int | None = None
+
+
+def replay_request_from_proto(msg: drafter_pb2.ReplayRequest) -> ReplayArgs:
+    check(1 <= msg.k <= MAX_DRAFT_LENGTH, f"k (draft length) must be in 1..{MAX_DRAFT_LENGTH}, got {msg.k}")
+    check(len(msg.context_ids) > 0, "a replay request needs a non-empty context")
+    check(1 <= len(msg.continuation) <= msg.k + 1,
+          f"a replay needs 1..k+1 of the target's tokens, got {len(msg.continuation)} for k = {msg.k}")
+    if msg.tenant:
+        check(TENANT_PATTERN.fullmatch(msg.tenant) is not None, f"invalid tenant {msg.tenant!r}")
+    params = sampling_from_proto(msg.sampling)
+    check(params.greedy, "replay needs greedy decoding (temperature 0): a sampled draft is not determined by the context")
+    return ReplayArgs(_session(msg.session_id), list(msg.context_ids), list(msg.continuation), int(msg.k), params,
+                      msg.drafter, msg.tenant, int(msg.weight_version) if msg.exact_version else None)
+
+
+def replay_to_proto(accepted: int | None, replay_s: float = 0.0) -> drafter_pb2.ReplayResponse:
+    return drafter_pb2.ReplayResponse(accepted=accepted or 0, known=accepted is not None, replay_s=replay_s)
+
+
+def replay_from_proto(msg: drafter_pb2.ReplayResponse) -> int | None:
+    return int(msg.accepted) if msg.known else None
+
+
 def proposal_from_proto(msg: drafter_pb2.ProposeResponse) -> Proposal:
     check(len(msg.q) == len(msg.tokens), f"a proposal needs one q per token: {len(msg.tokens)} tokens, {len(msg.q)} q")
     return Proposal(list(msg.tokens), [sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],

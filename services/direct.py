@@ -117,6 +117,9 @@ class _Servicer:
     async def Propose(self, request, context):
         return await self._call("Propose", request, context)
 
+    async def Replay(self, request, context):
+        return await self._call("Replay", request, context)
+
     async def Verify(self, request, context):
         return await self._call("Verify", request, context)
 

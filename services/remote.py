@@ -140,5 +140,15 @@ class RemoteDrafter:
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal
 
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int | None:
+        """``drafters.base.Replayable`` over the wire: with the request's pinned weights version
+        once it has one (a replay never pins one itself: it drafts nothing)."""
+        with self._lock:
+            tenant, version = self._requests.get(session_id, ("", None))
+        request = convert.replay_request_to_proto(session_id, context_ids, continuation, k, params,
+                                                  tenant=tenant, weight_version=version)
+        return convert.replay_from_proto(self.caller.call("Replay", request, session_id))
+
     def release(self, session_id: str) -> None:
         self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id)

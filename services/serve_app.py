@@ -50,6 +50,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
@@ -266,7 +267,8 @@ class DrafterServer:
                 logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
         self._live: set[str] = set()
-        self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release})
+        self._replays = 0  # Replay calls answered (side observations for ucb-replay)
+        self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release, "Replay": self.Replay})
 
     async def Propose(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
         args = convert.propose_request_from_proto(request)
@@ -284,6 +286,24 @@ class DrafterServer:
         if self.variants is not None:
             version, drafter = self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)
         return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
+
+    async def Replay(self, request: drafter_pb2.ReplayRequest) -> drafter_pb2.ReplayResponse:
+        args = convert.replay_request_from_proto(request)
+        if args.drafter and args.drafter != self.args.name:
+            raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        accepted = await loop.run_in_executor(self._model_thread, self._replay, args)
+        self._replays += 1
+        return convert.replay_to_proto(accepted, time.perf_counter() - started)
+
+    def _replay(self, args) -> int | None:
+        self._live.add(args.session_id)  # a replay warms the session's cache: Release frees it
+        drafter = self.drafter
+        if self.variants is not None:  # the request's pinned version, or the tenant's serving one
+            drafter = self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)[1]
+        replay = getattr(drafter, "replay", None)
+        return replay(args.session_id, args.context_ids, args.continuation, args.k, args.params) if replay is not None else None
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         loop = asyncio.get_running_loop()
@@ -307,8 +327,8 @@ class DrafterServer:
         return await loop.run_in_executor(self._model_thread, lambda: sorted(self._live))
 
     async def Stats(self) -> dict:
-        """Calls that came over the direct route."""
-        return {"direct_calls": self._direct.calls}
+        """Calls that came over the direct route, and Replay calls answered."""
+        return {"direct_calls": self._direct.calls, "replays": self._replays}
 
 
 def build_drafter_app(args: dict | None = None):

@@ -224,6 +224,18 @@ def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, cl
     assert router["fallbacks"] == router_before["fallbacks"]
 
 
+def test_ucb_replay_replays_the_other_drafter_over_the_wire(served, client, reference):
+    """The request's policy field picks ucb-replay: in its probe rounds the router asks the drafter
+    it did not play for a Replay (drafter.proto), one per round; the answer stays the target's."""
+    before = {name: _call(h, "Stats")["replays"] for name, h in served.handles.drafters.items()}
+    answer = client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex, policy="ucb-replay")
+    assert answer.token_ids == reference(PROMPTS[2])
+    replays = sum(_call(h, "Stats")["replays"] - before[name] for name, h in served.handles.drafters.items())
+    # Four probe rounds (the default), each replaying the one drafter not played; fewer only if
+    # the answer took fewer drafting rounds.
+    assert replays == min(4, answer.stats.rounds - 1) or replays == min(4, answer.stats.rounds), (replays, answer.stats.rounds)
+
+
 def test_session_state_is_in_redis_under_the_tenant(served, client, raw_redis):
     tenant, session = f"acme-{uuid.uuid4().hex[:6]}", "chat-1"
     answer = client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant)

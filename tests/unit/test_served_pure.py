@@ -268,6 +268,29 @@ def test_proposal_round_trip():
         convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1], 0, SamplingParams()))
 
 
+def test_replay_round_trip():
+    args = convert.replay_request_from_proto(convert.replay_request_to_proto("s", [1, 2], [7, 8, 9], 4, SamplingParams()))
+    assert (args.session_id, args.context_ids, args.continuation, args.k, args.drafter) == ("s", [1, 2], [7, 8, 9], 4, "")
+    assert args.params.greedy and (args.tenant, args.weight_version) == ("", None)
+    pinned = convert.replay_request_from_proto(convert.replay_request_to_proto(
+        "s", [1], [3], 2, SamplingParams(), drafter="code", tenant="acme", weight_version=0))
+    assert (pinned.drafter, pinned.tenant, pinned.weight_version) == ("code", "acme", 0)
+    for accepted in (0, 3, None):  # None: the drafter cannot say
+        assert convert.replay_from_proto(convert.replay_to_proto(accepted, 0.01)) == accepted
+
+
+@pytest.mark.parametrize("context, continuation, k, params, message", [
+    ([1], [3], 0, SamplingParams(), "k \\(draft length\\)"),
+    ([], [3], 2, SamplingParams(), "non-empty context"),
+    ([1], [], 2, SamplingParams(), "1..k\\+1 of the target's tokens"),
+    ([1], [3, 4, 5, 6], 2, SamplingParams(), "1..k\\+1 of the target's tokens"),
+    ([1], [3], 2, SamplingParams(temperature=0.7), "greedy"),
+])
+def test_replay_request_errors(context, continuation, k, params, message):
+    with pytest.raises(InvalidArgument, match=message):
+        convert.replay_request_from_proto(convert.replay_request_to_proto("s", context, continuation, k, params))
+
+
 def test_generate_request_round_trip():
     msg = api.request_to_proto("hi", max_new_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], policy="fixed:code",
                                k=4, session_id="s1", tenant="acme")

@@ -42,3 +42,35 @@ class ProposeResponse(_message.Message):
     direct: _common_pb2.DirectRoute
     source: str
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., direct: _Optional[_Union[_common_pb2.DirectRoute, _Mapping]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ReplayRequest(_message.Message):
+    __slots__ = ("session_id", "context_ids", "continuation", "k", "sampling", "drafter", "tenant", "weight_version", "exact_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    continuation: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    sampling: _common_pb2.SamplingParams
+    drafter: str
+    tenant: str
+    weight_version: int
+    exact_version: bool
+    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., continuation: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., weight_version: _Optional[int] = ..., exact_version: _Optional[bool] = ...) -> None: ...
+
+class ReplayResponse(_message.Message):
+    __slots__ = ("accepted", "known", "replay_s")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_S_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    known: bool
+    replay_s: float
+    def __init__(self, accepted: _Optional[int] = ..., known: _Optional[bool] = ..., replay_s: _Optional[float] = ...) -> None: ...

@@ -46,6 +46,11 @@ class DrafterStub:
                 request_serializer=specpool_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specpool_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Replay = channel.unary_unary(
+                '/specpool.v1.Drafter/Replay',
+                request_serializer=specpool_dot_v1_dot_drafter__pb2.ReplayRequest.SerializeToString,
+                response_deserializer=specpool_dot_v1_dot_drafter__pb2.ReplayResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -66,6 +71,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replay(self, request, context):
+        """Says how many tokens the drafter would have had accepted in a greedy round it did not draft,
+        given the target's tokens there (side observations for the router's ucb-replay policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specpool_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
                     response_serializer=specpool_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Replay': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replay,
+                    request_deserializer=specpool_dot_v1_dot_drafter__pb2.ReplayRequest.FromString,
+                    response_serializer=specpool_dot_v1_dot_drafter__pb2.ReplayResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Drafter:
             '/specpool.v1.Drafter/Release',
             specpool_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
             specpool_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpool.v1.Drafter/Replay',
+            specpool_dot_v1_dot_drafter__pb2.ReplayRequest.SerializeToString,
+            specpool_dot_v1_dot_drafter__pb2.ReplayResponse.FromString,
             options,
             channel_credentials,
             insecure,
