@@ -97,7 +97,7 @@ def test_generated_module_imports(module: str):
 def test_services_and_their_methods():
     expected = {
         ("specpool", "SpecPool"): {"Generate": (False, False), "GenerateStream": (False, True)},
-        ("drafter", "Drafter"): {"Propose": (False, False), "Release": (False, False)},
+        ("drafter", "Drafter"): {"Propose": (False, False), "Release": (False, False), "Replay": (False, False)},
         ("target", "Target"): {"Verify": (False, False), "Release": (False, False)},
     }
     for (name, service), methods in expected.items():
