@@ -217,6 +217,9 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
             steady_to_fixed = summarize(steady_ratio(r, steady_fixed_best) for r in group)
             steady_fixed_group = groups.get((category, steady_fixed_best), []) if steady_fixed_best else []
             steady_pooled, steady_pooled_fixed = _pooled_tps(group, walls), _pooled_tps(steady_fixed_group, walls)
+            # The steady oracle pooled: each prompt at its best fixed drafter's steady time.
+            oracle_s = [r["new_tokens"] / steady_oracle[r["prompt_index"]] for r in group if steady_oracle.get(r["prompt_index"])]
+            steady_pooled_oracle = tokens / sum(oracle_s) if oracle_s and len(oracle_s) == len(group) else None
             rows.append({
                 "category": category, "system": system, "kind": group[0]["kind"], "n_prompts": len(group),
                 "tokens_per_s": tps[0], "tokens_per_s_p25": tps[1], "tokens_per_s_p75": tps[2],
@@ -235,6 +238,7 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
                 "steady_ratio_to_best_fixed": steady_to_fixed[0], "steady_ratio_to_best_fixed_p25": steady_to_fixed[1],
                 "steady_ratio_to_best_fixed_p75": steady_to_fixed[2],
                 "steady_pooled_ratio_to_best_fixed": steady_pooled / steady_pooled_fixed if steady_pooled and steady_pooled_fixed else None,
+                "steady_pooled_ratio_to_oracle": steady_pooled / steady_pooled_oracle if steady_pooled and steady_pooled_oracle else None,
                 "chooser_fraction": sum(r.get("chooser_s") or 0.0 for r in group) / round_s if round_s and group[0]["kind"] == "policy" else None,
                 "rounds_to_identify": float(np.median(found)) if found else None,
                 "identified_share": len(found) / len(identify) if identify else None,
@@ -250,7 +254,7 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
     summary = {"best_fixed": fixed_best, "steady_best_fixed": steady_fixed_best, "policies": {},
                "stopping_time_oracle_rounds_per_100_tokens": 100.0 * best_rounds / best_tokens if best_tokens else None}
     def category_mean(system: str, key: str) -> float | None:
-        # Medians of per-prompt ratios (robust to a slow outlier run), averaged over categories.
+        # A per-category figure (the median of per-prompt ratios, or a pooled ratio), averaged over categories.
         cells = [by_key[(c, system)][key] for c in categories if (c, system) in by_key]
         cells = [c for c in cells if c is not None]
         return float(np.mean(cells)) if cells else None
@@ -261,6 +265,9 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
             "ratio_to_oracle_category_mean": category_mean(system, "ratio_to_oracle"),
             "ratio_to_best_fixed_category_mean": category_mean(system, "ratio_to_best_fixed"),
             "steady_ratio_to_oracle_category_mean": category_mean(system, "steady_ratio_to_oracle"),
+            # Pooled: per category all tokens / all seconds, policy over oracle; then the mean over categories.
+            "pooled_ratio_to_oracle_category_mean": category_mean(system, "pooled_ratio_to_oracle"),
+            "steady_pooled_ratio_to_oracle_category_mean": category_mean(system, "steady_pooled_ratio_to_oracle"),
             "steady_ratio_to_best_fixed_category_mean": category_mean(system, "steady_ratio_to_best_fixed"),
             "steady_ratio_to_best_fixed": overall["steady_ratio_to_best_fixed"] if overall else None,
             "steady_pooled_ratio_to_best_fixed": overall["steady_pooled_ratio_to_best_fixed"] if overall else None,

@@ -121,6 +121,18 @@ def test_call_keys_separate_what_costs_differently():
                         ("verify", 0, False), ("verify", 2, False)]
 
 
+def test_a_replay_counts_as_the_drafters_last_call():
+    """ucb-replay's replays bring a drafter's cache up to date: its next draft is a "next", not a
+    "first" or a "gap"; the replays' own time is kept as measured (outside the keyed calls)."""
+    r = timed(0, "p", "policy", ["a", "a", "b", "a"], [2, 2, 2, 2], [9.0, 9.0, 9.0, 9.0], [60, 60, 60, 60])
+    r["replayed"], r["replay_ms"] = [["b"], [], [], []], [5.0, 0.0, 0.0, 0.0]
+    assert [k[0][4] for k in pr._call_keys(r)] == ["first", "next", "gap", "gap"]  # b replayed at round 0
+    r["replayed"] = [["b"], ["b"], [], []]
+    assert [k[0][4] for k in pr._call_keys(r)] == ["first", "next", "next", "gap"]
+    r["wall_s"] += 0.005  # the replay's 5 ms lies outside draft, verify and other
+    assert pr.steady_walls([r])[("p", 0)] == pytest.approx(r["wall_s"])
+
+
 def test_a_stalled_call_is_priced_at_its_median():
     calm = timed(0, "fixed:a", "fixed", ["a", "a"], [2, 2], [10.0, 10.0], [80.0, 50.0])
     stalled = timed(0, "fixed:b", "fixed", ["b", "b"], [2, 2], [10.0, 10.0], [80.0, 500.0])
@@ -152,6 +164,9 @@ def test_steady_ratios_use_each_prompts_best_fixed_drafter():
     assert summary["steady_best_fixed"] == "fixed:a"
     assert summary["policies"]["p"]["steady_ratio_to_oracle_category_mean"] == pytest.approx(steady_p / steady_a)
     assert summary["policies"]["p"]["steady_ratio_to_best_fixed"] == pytest.approx(steady_p / steady_a)
+    # Pooled (all tokens / all seconds per category): one prompt, so the same ratio here.
+    assert summary["policies"]["p"]["steady_pooled_ratio_to_oracle_category_mean"] == pytest.approx(steady_p / steady_a)
+    assert summary["policies"]["p"]["pooled_ratio_to_oracle_category_mean"] == pytest.approx(p["ratio_to_oracle"])
 
 
 def test_records_without_call_times_have_no_steady_figures():
