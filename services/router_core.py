@@ -59,6 +59,7 @@ class RouterSettings:
     k: int = 5  # default draft length
     max_new_tokens: int = 128  # when a request says 0
     beta: float = 0.2  # UCB exploration weight
+    probe_rounds: int = 4  # ucb-replay: rounds in which every drafter is replayed
 
 
 @dataclass
@@ -211,7 +212,7 @@ class RouterCore:
         params.validate(self.info.context_window, len(prompt_ids))
         policy_name = spec.policy or self.settings.policy
         pool = list(self.drafters)
-        policy = make_policy(policy_name, pool, PolicyOptions(beta=self.settings.beta))
+        policy = make_policy(policy_name, pool, PolicyOptions(beta=self.settings.beta, probe_rounds=self.settings.probe_rounds))
         names = list(dict.fromkeys(parse_arm(a)[0] for a in policy.arms))
         for name in names:
             if name not in self.drafters:

@@ -157,6 +157,7 @@ class RouterArgs:
     redis_namespace: str = "specpool"  # key prefix: {namespace}:{tenant}:session:{id}
     session_ttl_s: float = 3600.0  # a session's bandit state expires this long after its last round
     beta: float = 0.2  # UCB exploration weight of the bandit policies
+    probe_rounds: int = 4  # ucb-replay: a session's first rounds in which every drafter is replayed
     max_new_tokens: int = 128  # when a request leaves max_new_tokens at 0 (the embedded engine's default)
     retry_s: float = 60.0  # how long a round retries a model server that is unavailable (replica replaced)
     transport: str = "grpc"  # "grpc": calls to the target and drafters travel over Serve's replica gRPC; "actor": Ray actor calls
@@ -222,6 +223,8 @@ class RouterArgs:
             out["session_ttl_s"] = _float(where, "session_ttl_s", args["session_ttl_s"], 0.0, inclusive=False)
         if "beta" in args:
             out["beta"] = _float(where, "beta", args["beta"], 0.0, inclusive=False)
+        if "probe_rounds" in args:
+            out["probe_rounds"] = _int(where, "probe_rounds", args["probe_rounds"], 1)
         if "max_new_tokens" in args:
             out["max_new_tokens"] = _int(where, "max_new_tokens", args["max_new_tokens"], 1)
         if "retry_s" in args:
@@ -255,7 +258,7 @@ class RouterArgs:
         """The default policy must exist and only choose among the served drafters."""
         from router.policies import PolicyOptions, make_policy, parse_arm
 
-        policy = make_policy(self.policy, self.pool, PolicyOptions(beta=self.beta))
+        policy = make_policy(self.policy, self.pool, PolicyOptions(beta=self.beta, probe_rounds=self.probe_rounds))
         missing = [d for d in dict.fromkeys(parse_arm(a)[0] for a in policy.arms) if d not in self.pool]
         if missing:
             raise NotFound(f"router args: policy {self.policy!r} uses drafter {missing[0]!r}, which drafter_apps does not serve "

@@ -32,6 +32,11 @@ def test_defaults_agree_with_the_rest_of_the_code():
 
     assert serve_config.DEFAULT_TARGET == DEFAULT_TARGET
     assert serve_config.MAX_K == api.MAX_DRAFT_LENGTH == MAX_DRAFT_LENGTH
+    from router.policies import PolicyOptions
+    from services.router_core import RouterSettings
+
+    for knob in ("beta", "probe_rounds"):  # the served router's policy knobs default as the embedded engine's
+        assert RouterArgs.__dataclass_fields__[knob].default == getattr(RouterSettings(), knob) == getattr(PolicyOptions(), knob)
 
 
 def test_router_args_parse_and_keep_the_pool_order():
@@ -41,6 +46,7 @@ def test_router_args_parse_and_keep_the_pool_order():
     assert args.pool == ["ngram", "code"] and args.k == 3 and args.num_replicas == 2 and args.transport == "grpc"
     assert args.direct_calls and not RouterArgs.parse({"drafter_apps": {"code": "d"}, "direct_calls": False}).direct_calls
     assert not args.feedback  # online-learning feedback is opt-in
+    assert args.probe_rounds == 4 and RouterArgs.parse({"drafter_apps": {"code": "d"}, "probe_rounds": 2}).probe_rounds == 2
     learning = RouterArgs.parse({"drafter_apps": {"code": "d"}, "feedback": True, "feedback_stream": "fb",
                                  "feedback_top_k": 32, "feedback_opt_out": ["acme", "beta.co"]})
     assert (learning.feedback, learning.feedback_stream, learning.feedback_top_k, learning.feedback_opt_out) == \
@@ -63,6 +69,7 @@ def test_router_args_parse_and_keep_the_pool_order():
     ({"drafter_apps": {"ngram": "a"}, "feedback": "yes"}, "feedback must be true or false"),
     ({"drafter_apps": {"ngram": "a"}, "direct_calls": 1}, "direct_calls must be true or false"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_top_k": 65}, "feedback_top_k must be in 1..64"),
+    ({"drafter_apps": {"ngram": "a"}, "probe_rounds": 0}, "probe_rounds must be >= 1"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": "acme"}, "feedback_opt_out must be a list of tenant ids"),
     ({"drafter_apps": {"ngram": "a"}, "feedback_opt_out": ["bad tenant"]}, "feedback_opt_out must be a list of tenant ids"),
     ("not a mapping", "args must be a mapping"),
