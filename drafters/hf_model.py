@@ -48,7 +48,6 @@ class HFModelDrafter:
         self.cost = CostMeter()
         # Models with a reduced output vocabulary (zoo drafters) map their indices to token ids.
         self.output_ids = output_ids
-        self.replay_s = 0.0  # time spent in replay(), a raw counter
 
     def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
         """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the
@@ -99,7 +98,6 @@ class HFModelDrafter:
         n = min(k, len(continuation))
         if n <= 0:
             return 0
-        started = time.perf_counter()
         logits = self.caches.get(session_id).logits(context_ids + continuation[: n - 1], n_last=n)  # (n, V)
         accepted = 0
         for i in range(n):
@@ -109,7 +107,6 @@ class HFModelDrafter:
             if self.confidence_threshold > 0.0 and i + 1 < k:
                 if float(torch.softmax(logits[i].float(), dim=-1).max()) < self.confidence_threshold:
                     break  # propose would have stopped here
-        self.replay_s += time.perf_counter() - started
         return accepted
 
     def release(self, session_id: str) -> None:
