@@ -80,12 +80,18 @@ class HFModelDrafter:
                 token = int(dist.token_ids[torch.multinomial(dist.probs, 1, generator=gen)])
             tokens.append(token)
             q.append(dist)
-            if self.confidence_threshold > 0.0 and i + 1 < k:
-                confidence = float(torch.softmax(logits.float(), dim=-1).max())
-                if confidence < self.confidence_threshold:
-                    break
+            if self._stops_after(logits, i, k):
+                break
         self.cost.record(time.perf_counter() - started, len(tokens))
         return Proposal(tokens, q, forward_s)
+
+    def _stops_after(self, logits: torch.Tensor, i: int, k: int) -> bool:
+        """Whether drafting stops after position ``i`` of ``k``: the drafter doubts its own token
+        there (confidence stop). ``propose`` and ``replay`` share it, so a replay stops where a
+        proposal would have."""
+        if self.confidence_threshold <= 0.0 or i + 1 >= k:
+            return False
+        return float(torch.softmax(logits.float(), dim=-1).max()) < self.confidence_threshold
 
     def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
                params: SamplingParams) -> int:
@@ -104,9 +110,8 @@ class HFModelDrafter:
             if int(self.proposal_dist(logits[i], params).token_ids[0]) != continuation[i]:
                 break
             accepted = i + 1
-            if self.confidence_threshold > 0.0 and i + 1 < k:
-                if float(torch.softmax(logits[i].float(), dim=-1).max()) < self.confidence_threshold:
-                    break  # propose would have stopped here
+            if self._stops_after(logits[i], i, k):
+                break
         return accepted
 
     def release(self, session_id: str) -> None:

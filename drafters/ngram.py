@@ -87,8 +87,7 @@ class NGramDrafter:
         stats = self._observe(session_id, context_ids) if self.adaptive else None
         continuation = self.lookup(context_ids, k)
         if stats is not None and continuation:
-            k_round = best_draft_length(stats.rate, min(k, len(continuation)), self.verify_cost_per_token)
-            continuation = continuation[:k_round]
+            continuation = self._cut(continuation, stats, k)
             stats.last_context_length, stats.last_proposal = len(context_ids), tuple(continuation)
         self.cost.record(time.perf_counter() - started, max(len(continuation), 1))
         # A miss proposes nothing: that round is the n-gram drafter's own (a target-only step),
@@ -102,8 +101,12 @@ class NGramDrafter:
         if self.adaptive and continuation:
             stats = self._sessions.get(session_id)
             stats = self._scored(replace(stats) if stats is not None else self._fresh(), context_ids)
-            continuation = continuation[: best_draft_length(stats.rate, min(k, len(continuation)), self.verify_cost_per_token)]
+            continuation = self._cut(continuation, stats, k)
         return continuation
+
+    def _cut(self, continuation: list[int], stats: _SessionStats, k: int) -> list[int]:
+        """The lookup's match cut to the draft length that pays best at the session's acceptance."""
+        return continuation[: best_draft_length(stats.rate, min(k, len(continuation)), self.verify_cost_per_token)]
 
     def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
                params: SamplingParams) -> int:

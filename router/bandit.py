@@ -45,6 +45,7 @@ class BanditChooser:
     def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False,
                  shared_sources: frozenset[str] = frozenset()):
         self.policy = policy
+        self._pool = list(dict.fromkeys(parse_arm(a)[0] for a in policy.arms))  # the drafters the arms use
         self.shared_sources = shared_sources  # drafters.registry.shared_sources(pool)
         self.shared_rounds = 0  # rounds credited to no arm
         self.store = store
@@ -90,7 +91,7 @@ class BanditChooser:
         if self._selected_from is None or not wants(self._selected_from):
             return []
         played = parse_arm(self._pending)[0]
-        return [d for d in dict.fromkeys(parse_arm(a)[0] for a in self.policy.arms) if d != played]
+        return [d for d in self._pool if d != played]
 
     def update(self, record: RoundRecord) -> None:
         # A round with nothing to draft (k capped to 0 on the last token) says nothing about arms.

@@ -126,14 +126,14 @@ _EMPTY = Proposal([], [])
 
 
 def _replay(chooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int], target_tokens: list[int],
-            k: int, params: SamplingParams, proposal: Proposal) -> tuple[dict[str, int] | None, float]:
+            k: int, params: SamplingParams, source: str | None) -> tuple[dict[str, int] | None, float]:
     """Replay the drafters the chooser asks for on the target's tokens of this round (greedy
     only: a sampled draft is not determined by the context). Drafters that cannot replay, or
     answer None, are left out."""
     replay_arms = getattr(chooser, "replay_arms", None)
     if replay_arms is None or not params.greedy or k <= 0 or not target_tokens:
         return None, 0.0
-    names = replay_arms(proposal.source)
+    names = replay_arms(source)
     if not names:
         return None, 0.0
     started = time.perf_counter()
@@ -203,7 +203,7 @@ def speculative_generate(
         generated.extend(emitted)
         if on_tokens is not None:
             on_tokens(emitted)
-        replays, replay_s = _replay(chooser, drafters, session_id, context, result.tokens, k_round, params, proposal)
+        replays, replay_s = _replay(chooser, drafters, session_id, context, result.tokens, k_round, params, proposal.source)
         record = RoundRecord(
             drafter=name,
             k=k_round if name is not None else 0,

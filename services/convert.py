@@ -10,7 +10,7 @@ the caller. Pure: no servers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,7 +98,11 @@ def propose_request_to_proto(session_id: str, context_ids: list[int], k: int, pa
     exactly that version (its later rounds)."""
     return drafter_pb2.ProposeRequest(session_id=session_id, context_ids=context_ids, k=k,
                                       sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
-                                      weight_version=weight_version or 0, exact_version=weight_version is not None)
+                                      **_version_fields(weight_version))
+
+
+def _version_fields(weight_version: int | None) -> dict:
+    return {"weight_version": weight_version or 0, "exact_version": weight_version is not None}
 
 
 @dataclass(frozen=True)
@@ -114,13 +118,19 @@ class ProposeArgs:
     weight_version: int | None = None  # None: the tenant's serving version; a number: exactly it
 
 
-def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
+def _drafter_call_fields(msg: drafter_pb2.ProposeRequest | drafter_pb2.ReplayRequest, what: str) -> dict:
+    """The checked fields a ProposeRequest and a ReplayRequest share, as ProposeArgs keywords."""
     check(1 <= msg.k <= MAX_DRAFT_LENGTH, f"k (draft length) must be in 1..{MAX_DRAFT_LENGTH}, got {msg.k}")
-    check(len(msg.context_ids) > 0, "a propose request needs a non-empty context")
+    check(len(msg.context_ids) > 0, f"a {what} request needs a non-empty context")
     if msg.tenant:
         check(TENANT_PATTERN.fullmatch(msg.tenant) is not None, f"invalid tenant {msg.tenant!r}")
-    return ProposeArgs(_session(msg.session_id), list(msg.context_ids), int(msg.k), sampling_from_proto(msg.sampling), msg.drafter,
-                       msg.tenant, int(msg.weight_version) if msg.exact_version else None)
+    return {"session_id": _session(msg.session_id), "context_ids": list(msg.context_ids), "k": int(msg.k),
+            "params": sampling_from_proto(msg.sampling), "drafter": msg.drafter, "tenant": msg.tenant,
+            "weight_version": int(msg.weight_version) if msg.exact_version else None}
+
+
+def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
+    return ProposeArgs(**_drafter_call_fields(msg, "propose"))
 
 
 def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb2.ProposeResponse:
@@ -136,34 +146,22 @@ def replay_request_to_proto(session_id: str, context_ids: list[int], continuatio
     """``weight_version`` as in ``propose_request_to_proto``."""
     return drafter_pb2.ReplayRequest(session_id=session_id, context_ids=context_ids, continuation=continuation, k=k,
                                      sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
-                                     weight_version=weight_version or 0, exact_version=weight_version is not None)
+                                     **_version_fields(weight_version))
 
 
 @dataclass(frozen=True)
-class ReplayArgs:
-    """A ReplayRequest as the arguments of ``Drafter.replay`` (plus the routing fields of ProposeArgs)."""
+class ReplayArgs(ProposeArgs):
+    """A ReplayRequest: the arguments of ``Drafter.replay``, a propose's plus the target's tokens."""
 
-    session_id: str
-    context_ids: list[int]
-    continuation: list[int]
-    k: int
-    params: SamplingParams
-    drafter: str
-    tenant: str = ""
-    weight_version: int | None = None
+    continuation: list[int] = field(default_factory=list)
 
 
 def replay_request_from_proto(msg: drafter_pb2.ReplayRequest) -> ReplayArgs:
-    check(1 <= msg.k <= MAX_DRAFT_LENGTH, f"k (draft length) must be in 1..{MAX_DRAFT_LENGTH}, got {msg.k}")
-    check(len(msg.context_ids) > 0, "a replay request needs a non-empty context")
+    fields = _drafter_call_fields(msg, "replay")
     check(1 <= len(msg.continuation) <= msg.k + 1,
           f"a replay needs 1..k+1 of the target's tokens, got {len(msg.continuation)} for k = {msg.k}")
-    if msg.tenant:
-        check(TENANT_PATTERN.fullmatch(msg.tenant) is not None, f"invalid tenant {msg.tenant!r}")
-    params = sampling_from_proto(msg.sampling)
-    check(params.greedy, "replay needs greedy decoding (temperature 0): a sampled draft is not determined by the context")
-    return ReplayArgs(_session(msg.session_id), list(msg.context_ids), list(msg.continuation), int(msg.k), params,
-                      msg.drafter, msg.tenant, int(msg.weight_version) if msg.exact_version else None)
+    check(fields["params"].greedy, "replay needs greedy decoding (temperature 0): a sampled draft is not determined by the context")
+    return ReplayArgs(**fields, continuation=list(msg.continuation))
 
 
 def replay_to_proto(accepted: int | None, replay_s: float = 0.0) -> drafter_pb2.ReplayResponse:

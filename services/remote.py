@@ -123,13 +123,16 @@ class RemoteDrafter:
 
     def version_of(self, session_id: str) -> int:
         """The weights version the session's current request drafts with (0 before its first round)."""
+        return self._request_of(session_id)[1] or 0
+
+    def _request_of(self, session_id: str) -> tuple[str, int | None]:
+        """(tenant, pinned version or None) of the session's current request."""
         with self._lock:
-            return self._requests.get(session_id, ("", None))[1] or 0
+            return self._requests.get(session_id, ("", None))
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
-        with self._lock:
-            tenant, version = self._requests.get(session_id, ("", None))
+        tenant, version = self._request_of(session_id)
         request = convert.propose_request_to_proto(session_id, context_ids, k, params, tenant=tenant, weight_version=version)
         response = self.caller.call("Propose", request, session_id)
         proposal = convert.proposal_from_proto(response)
@@ -144,8 +147,7 @@ class RemoteDrafter:
                params: SamplingParams) -> int | None:
         """``drafters.base.Replayable`` over the wire: with the request's pinned weights version
         once it has one (a replay never pins one itself: it drafts nothing)."""
-        with self._lock:
-            tenant, version = self._requests.get(session_id, ("", None))
+        tenant, version = self._request_of(session_id)
         request = convert.replay_request_to_proto(session_id, context_ids, continuation, k, params,
                                                   tenant=tenant, weight_version=version)
         return convert.replay_from_proto(self.caller.call("Replay", request, session_id))

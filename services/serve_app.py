@@ -270,10 +270,21 @@ class DrafterServer:
         self._replays = 0  # Replay calls answered (side observations for ucb-replay)
         self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release, "Replay": self.Replay})
 
-    async def Propose(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
-        args = convert.propose_request_from_proto(request)
+    def _hosted(self, args):
+        """``args`` if they name this server's drafter (or none); NotFound otherwise."""
         if args.drafter and args.drafter != self.args.name:
             raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
+        return args
+
+    def _pick(self, args):
+        """(version, drafter) for a call of this request: its pinned version, or the tenant's
+        serving one (online learning); the shipped weights (version 0) otherwise."""
+        if self.variants is None:
+            return 0, self.drafter
+        return self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)
+
+    async def Propose(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+        args = self._hosted(convert.propose_request_from_proto(request))
         loop = asyncio.get_running_loop()
         proposal, version = await loop.run_in_executor(self._model_thread, self._propose, args)
         response = convert.proposal_to_proto(proposal, version)
@@ -282,15 +293,11 @@ class DrafterServer:
 
     def _propose(self, args):
         self._live.add(args.session_id)
-        version, drafter = 0, self.drafter
-        if self.variants is not None:
-            version, drafter = self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)
+        version, drafter = self._pick(args)
         return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
 
     async def Replay(self, request: drafter_pb2.ReplayRequest) -> drafter_pb2.ReplayResponse:
-        args = convert.replay_request_from_proto(request)
-        if args.drafter and args.drafter != self.args.name:
-            raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
+        args = self._hosted(convert.replay_request_from_proto(request))
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         accepted = await loop.run_in_executor(self._model_thread, self._replay, args)
@@ -299,10 +306,7 @@ class DrafterServer:
 
     def _replay(self, args) -> int | None:
         self._live.add(args.session_id)  # a replay warms the session's cache: Release frees it
-        drafter = self.drafter
-        if self.variants is not None:  # the request's pinned version, or the tenant's serving one
-            drafter = self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)[1]
-        replay = getattr(drafter, "replay", None)
+        replay = getattr(self._pick(args)[1], "replay", None)
         return replay(args.session_id, args.context_ids, args.continuation, args.k, args.params) if replay is not None else None
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
