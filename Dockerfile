@@ -10,12 +10,8 @@ ENV SPECPOOL_HOME=/home/ray/.cache/specpool \
     PIP_NO_CACHE_DIR=1
 WORKDIR /home/ray/specpool
 COPY --chown=ray:users pyproject.toml README.md ./
-COPY --chown=ray:users router ./router
-COPY --chown=ray:users target ./target
-COPY --chown=ray:users drafters ./drafters
-COPY --chown=ray:users services ./services
-COPY --chown=ray:users bench ./bench
-COPY --chown=ray:users protos ./protos
+# One installed package; the benchmarks, their results and the tests stay out of the image.
+COPY --chown=ray:users specpool ./specpool
 RUN pip install . \
     && specpool models fetch \
     && specpool --help > /dev/null

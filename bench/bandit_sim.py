@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from router.loop import RoundRecord
-from router.policies import PolicyOptions, make_policy
+from specpool.router.loop import RoundRecord
+from specpool.router.policies import PolicyOptions, make_policy
 
 DEFAULT_ALPHAS = (0.8, 0.7, 0.55, 0.4, 0.25)  # per-token match probability of each arm
 DEFAULT_CHECKPOINTS = (50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)

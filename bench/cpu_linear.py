@@ -1,4 +1,4 @@
-"""Plain ``nn.Linear`` against oneDNN-packed linears (target/cpu_linear.py) on the real target.
+"""Plain ``nn.Linear`` against oneDNN-packed linears (specpool/target/cpu_linear.py) on the real target.
 
     python -m bench.cpu_linear --out bench/results/cpu-linear
 
@@ -29,9 +29,9 @@ from tqdm import tqdm
 from bench.speed import load_questions, machine_info
 from bench.verify_batch import summary
 from bench.verify_width import alternate_verifications
-from services.config import settings_from_env
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier, forward_width
+from specpool.services.config import settings_from_env
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, forward_width
 
 SYSTEMS = {"P": "packed", "U": "plain"}
 
@@ -73,8 +73,8 @@ def render(results: dict) -> str:
 
 def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int) -> dict:
     """Greedy target-only decoding of each context by P and U, alternating which goes first."""
-    from router.loop import FixedChooser, speculative_generate
-    from target.models import stop_token_ids
+    from specpool.router.loop import FixedChooser, speculative_generate
+    from specpool.target.models import stop_token_ids
 
     stop = stop_token_ids(verifiers["P"].model, verifiers["P"].tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, stop_token_ids=stop)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_tokens < 1:
         parser.error(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
 
-    from target.models import ModelConfig, chat_prompt_ids, load_causal_lm
+    from specpool.target.models import ModelConfig, chat_prompt_ids, load_causal_lm
 
     home = settings_from_env().home
     verifiers = {}

@@ -8,11 +8,11 @@ in order, round-robin over the files; each asks the target to continue the passa
 answers every prompt, in one process, the order rotating from prompt to prompt (A B C D, B C D A, ...):
 
     frozen       the shipped drafter, never updated
-    ogd          online gradient descent on the distillation loss (drafters/online.py)
+    ogd          online gradient descent on the distillation loss (specpool/learning/online.py)
     optimistic   optimistic OGD (hint = previous gradient)
     hedge        a Hedge-weighted ensemble of learning rates, mixed in output space
 
-Each learning system has its own feedback stream, learner and model store (services/learner.py).
+Each learning system has its own feedback stream, learner and model store (specpool/learning/learner.py).
 By default the learner runs *between* requests (``commit_now`` after each prompt: that prompt's
 feedback is applied and a version promoted, so the next prompt drafts with it) and its CPU time
 is reported separately (``learner_s``): tokens/s is serving time only, as with a learner in a
@@ -53,7 +53,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from router.errors import InvalidArgument, check
+from specpool.core.errors import InvalidArgument, check
 
 SYSTEMS = ("frozen", "ogd", "optimistic", "hedge")
 SEGMENTS = ("first_third", "last_third", "all")
@@ -280,9 +280,9 @@ def run_forgetting_check(engine, args: argparse.Namespace, stores: dict[str, Pat
     """Rows {system, category, version, mean_accepted_length, vs_frozen, n_prompts} for the shipped
     weights (system frozen) and each system's serving version in ``stores``; and the number of
     prompts whose greedy outputs differ between versions (must be 0)."""
-    from drafters.hot_swap import DrafterSlot
-    from drafters.model_store import VariantKey, open_model_store
-    from target.sampling import SamplingParams
+    from specpool.learning.hot_swap import DrafterSlot
+    from specpool.learning.model_store import VariantKey, open_model_store
+    from specpool.target.sampling import SamplingParams
 
     categories = forgetting_categories(args)
     if not categories:
@@ -352,7 +352,7 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    from drafters.online import SUPERVISION, OnlineConfig
+    from specpool.learning.online import SUPERVISION, OnlineConfig
 
     online = OnlineConfig()  # the library's defaults are the benchmark's
     parser.add_argument("--lr", type=float, default=online.lr, help=f"OGD / optimistic OGD step size (default {online.lr})")
@@ -378,8 +378,8 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_learner_cost_arguments(parser) -> None:
-    """--merge-records / --detach-context, with the library's defaults (drafters/online.py)."""
-    from drafters.online import OnlineConfig
+    """--merge-records / --detach-context, with the library's defaults (specpool/learning/online.py)."""
+    from specpool.learning.online import OnlineConfig
 
     online = OnlineConfig()
     parser.add_argument("--merge-records", action=argparse.BooleanOptionalAction, default=online.merge_records,
@@ -512,7 +512,7 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
     add_learner_cost_arguments(group)
     group.add_argument("--batch-records", type=int, default=d["batch_records"],
                        help=f"feedback records per gradient step (default {d['batch_records']})")
-    from drafters.online import SUPERVISION
+    from specpool.learning.online import SUPERVISION
 
     group.add_argument("--supervision", choices=SUPERVISION, default=d["supervision"],
                        help=f"distribution (the target's top-K p) or argmax (its most likely token) (default {d['supervision']})")
@@ -578,7 +578,7 @@ class LearnerProcess:
 
     def __init__(self, system: str, args: argparse.Namespace, stream: str, store: str, target: str, log_path: Path,
                  home: Path):
-        command = [sys.executable, "-m", "services.cli", "learner", "--redis", args.learner_process, "--stream", stream,
+        command = [sys.executable, "-m", "specpool.cli.main", "learner", "--redis", args.learner_process, "--stream", stream,
                    "--group", "bench", "--store", store, "--algo", system, "--drafters", args.drafter,
                    "--lr", str(args.lr), "--hedge-lrs", args.hedge_lrs, "--precondition", args.precondition,
                    "--grow-vocab", str(args.grow_vocab), "--copy-window", str(args.copy_window),
@@ -668,11 +668,11 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
     from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, machine_info
-    from drafters.online import OnlineConfig, parse_step_sizes
-    from services.engine import EmbeddedEngine, EngineConfig
-    from services.learner import EmbeddedLearning, LearningConfig
-    from target.models import DEFAULT_TARGET, ModelConfig
-    from target.sampling import SamplingParams, validate_draft_length
+    from specpool.learning.online import OnlineConfig, parse_step_sizes
+    from specpool.services.engine import EmbeddedEngine, EngineConfig
+    from specpool.learning.learner import EmbeddedLearning, LearningConfig
+    from specpool.target.models import DEFAULT_TARGET, ModelConfig
+    from specpool.target.sampling import SamplingParams, validate_draft_length
 
     validate_draft_length(args.k)
     check(args.limit >= 3, f"--limit must be >= 3 (the report compares thirds), got {args.limit}")
@@ -830,7 +830,7 @@ def run_online_bench(args: argparse.Namespace, settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.config import settings_from_env
+    from specpool.services.config import settings_from_env
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rerender"]:

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from bench import policy_report, report
-from router.errors import NotFound, check
+from specpool.core.errors import NotFound, check
 
 ORACLE = policy_report.ORACLE
 FIXED = policy_report.FIXED_PREFIX
@@ -33,7 +33,7 @@ FIXED = policy_report.FIXED_PREFIX
 
 def parse_policies(text: str, pool: list[str]) -> list[str]:
     """Policy names, validated (unknown name, oracle-only, bad options fail here, before any model)."""
-    from router.policies import make_policy
+    from specpool.router.policies import make_policy
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     check(bool(names), "--policies is empty; give policy names such as metasd-ucb,ucb-be,oracle")
@@ -58,10 +58,10 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
     from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, load_questions, machine_info, parse_drafters
-    from router.policies import PolicyOptions
-    from services.engine import EmbeddedEngine, EngineConfig, default_pool
-    from target.models import ModelConfig
-    from target.sampling import SamplingParams, validate_draft_length
+    from specpool.router.policies import PolicyOptions
+    from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
+    from specpool.target.models import ModelConfig
+    from specpool.target.sampling import SamplingParams, validate_draft_length
 
     check(args.max_new_tokens >= 2, f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
     validate_draft_length(args.k)
@@ -75,7 +75,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     random.Random(args.seed).shuffle(questions)  # a mixed stream: domains interleave
     out = Path(args.out).expanduser()
     check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
-    from router.session_store import open_store
+    from specpool.router.session_store import open_store
 
     # The run's own Redis namespace, so it starts from empty tenant statistics.
     store = open_store(args.store, namespace=f"specpool-bench-{uuid.uuid4().hex[:8]}")

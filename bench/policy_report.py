@@ -47,7 +47,7 @@ def _pooled_tps(group: Sequence[dict], walls: dict | None = None) -> float | Non
 
 
 def _drafter(arm: str | None) -> str | None:
-    from router.policies import parse_arm
+    from specpool.router.policies import parse_arm
 
     return None if arm is None else parse_arm(arm)[0]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from router.errors import check
+from specpool.core.errors import check
 
 DEFAULT_CONCURRENCY = "1,4,8"
 WARMUP_PROMPT = "Say hello."
@@ -65,7 +65,7 @@ class EmbeddedWorker:
         return self._receive(None, "generating")
 
     def _receive(self, timeout: float | None, doing: str):
-        from router.errors import SpecpoolError
+        from specpool.core.errors import SpecpoolError
 
         if timeout is not None and not self._conn.poll(timeout):
             self.close()
@@ -95,10 +95,10 @@ class EmbeddedWorker:
 def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_tokens: int, policy: str) -> None:
     """Child process of ``EmbeddedWorker``: load, say ready, then answer prompts until None."""
     try:
-        from services.engine import EmbeddedEngine, EngineConfig
-        from services.serve_config import DEFAULT_TARGET
-        from target.models import ModelConfig
-        from target.sampling import SamplingParams
+        from specpool.services.engine import EmbeddedEngine, EngineConfig
+        from specpool.services.serve_config import DEFAULT_TARGET
+        from specpool.target.models import ModelConfig
+        from specpool.target.sampling import SamplingParams
 
         engine = EmbeddedEngine(EngineConfig(home=Path(home), target=ModelConfig(DEFAULT_TARGET)))
         for name in pool:
@@ -366,11 +366,11 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
     from bench.speed import load_questions, machine_info
-    from router.policies import PolicyOptions, make_policy
-    from services.client import SpecPoolClient
-    from services.local_serve import start_local
-    from services.serve_config import DEFAULT_TARGET, default_serve_config, plan_from_config
-    from target.sampling import validate_draft_length
+    from specpool.router.policies import PolicyOptions, make_policy
+    from specpool.services.client import SpecPoolClient
+    from specpool.services.local_serve import start_local
+    from specpool.services.serve_config import DEFAULT_TARGET, default_serve_config, plan_from_config
+    from specpool.target.sampling import validate_draft_length
 
     questions = load_questions(Path(args.prompts), args.limit_per_category)
     pool = [p.strip() for p in args.pool.split(",") if p.strip()]

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 from bench import report
-from router.errors import InvalidArgument, NotFound, check
+from specpool.core.errors import InvalidArgument, NotFound, check
 
 WARMUP_PROMPT = "Say hello."
 IN_DOMAIN = "in-domain"
-IN_DOMAIN_LOOKUP = "in-domain+lookup"  # lookup:DRAFTER (drafters/lookup_first.py) for the same drafter
-# Spec-Bench categories -> the shipped zoo drafter trained for them (drafters/zoo_data.py).
+IN_DOMAIN_LOOKUP = "in-domain+lookup"  # lookup:DRAFTER (specpool/drafters/lookup_first.py) for the same drafter
+# Spec-Bench categories -> the shipped zoo drafter trained for them (specpool/learning/zoo_data.py).
 IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
                       "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
 WARMUP_TOKENS = 8
@@ -113,7 +113,7 @@ def load_questions(path: Path, limit_per_category: int) -> list[Question]:
 
 
 def parse_drafters(text: str) -> list[str]:
-    from drafters.registry import drafter_kinds, known_spec
+    from specpool.drafters.registry import drafter_kinds, known_spec
 
     specs = [s.strip() for s in text.split(",") if s.strip()]
     check(bool(specs), "--drafters is empty; give drafter specs such as ngram or ngram,hf:PATH")
@@ -173,7 +173,7 @@ def build_systems(engine, specs: list[str], k: int, in_domain: bool = False,
     import torch
     from transformers import PreTrainedModel
 
-    from target.sampling import SamplingParams
+    from specpool.target.sampling import SamplingParams
 
     stop_ids = engine.stop_token_ids()
     device = engine.model.device
@@ -256,9 +256,9 @@ def make_record(index: int, question: Question, system: str, is_ours: bool, prom
 def run_bench(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
-    from services.engine import EmbeddedEngine, EngineConfig
-    from target.models import ModelConfig
-    from target.sampling import validate_draft_length
+    from specpool.services.engine import EmbeddedEngine, EngineConfig
+    from specpool.target.models import ModelConfig
+    from specpool.target.sampling import validate_draft_length
 
     if getattr(args, "online", False):
         from bench.online import online_args_from_bench, run_online_bench

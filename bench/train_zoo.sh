@@ -7,10 +7,10 @@ cd "$(dirname "$0")/.."
 data_root=${1:-../shared/data}
 steps=${2:-300}
 for domain in code math translation summarization_qa chat general; do
-  if [ -f "drafters/zoo/$domain/model.safetensors" ] && [ "${RETRAIN:-0}" != 1 ]; then
+  if [ -f "specpool/drafters/zoo/$domain/model.safetensors" ] && [ "${RETRAIN:-0}" != 1 ]; then
     echo "== $domain: already trained (RETRAIN=1 to redo)"; continue
   fi
   echo "== $domain: $(date -u +%H:%M:%S)"
-  specpool zoo train --domain "$domain" --data-root "$data_root" --steps "$steps" --out "drafters/zoo/$domain" --resume
+  specpool zoo train --domain "$domain" --data-root "$data_root" --steps "$steps" --out "specpool/drafters/zoo/$domain" --resume
 done
 echo "== done $(date -u +%H:%M:%S)"

@@ -29,11 +29,11 @@ import torch
 from tqdm import tqdm
 
 from bench.speed import machine_info
-from services.config import settings_from_env
-from target.kv_cache import batched_logits
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier, VerifyRequest, VerifyResult
+from specpool.services.config import settings_from_env
+from specpool.target.kv_cache import batched_logits
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
 
 BATCH_SIZES = (1, 2, 4, 8)
 K = 5
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="short,long", help="context settings to run: short,long")
     args = parser.parse_args(argv)
 
-    from services.engine import EmbeddedEngine
+    from specpool.services.engine import EmbeddedEngine
 
     started = time.perf_counter()
     engine = EmbeddedEngine.default(settings_from_env().home)

@@ -1,4 +1,4 @@
-"""Padded verification forwards: the CPU's forward widths (``target.verifier.CPU_FORWARD_WIDTHS``)
+"""Padded verification forwards: the CPU's forward widths (``specpool.target.verifier.CPU_FORWARD_WIDTHS``)
 against no padding, round by round on the real default target.
 
     python -m bench.verify_width --out bench/results/verify-width
@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from bench.speed import load_questions, machine_info
 from bench.verify_batch import summary
-from services.config import settings_from_env
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier, VerifyRequest, forward_width
+from specpool.services.config import settings_from_env
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, VerifyRequest, forward_width
 
 MAX_DRAFTS = 7  # forward widths 1..8
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
 
-    from services.engine import EmbeddedEngine
+    from specpool.services.engine import EmbeddedEngine
 
     engine = EmbeddedEngine.default(settings_from_env().home)
     questions = load_questions(Path(args.prompts), 1)

@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import mean
 
 from bench.speed import load_questions, machine_info
-from router.errors import InvalidArgument, NotFound, check
+from specpool.core.errors import InvalidArgument, NotFound, check
 
 TEMPERATURES = (0.0, 0.7)
 
@@ -103,8 +103,8 @@ def acceptance_row(rows: list[dict], drafter: str) -> str:
 
 def write_cards(rows: list[dict], source: str) -> list[str]:
     """Put each shipped drafter's acceptance row into its model card (README.md)."""
-    from drafters.zoo import SHIPPED_DIR, shipped_names
-    from drafters.zoo_train import model_card
+    from specpool.drafters.zoo import SHIPPED_DIR, shipped_names
+    from specpool.learning.zoo_train import model_card
 
     written = []
     for name in shipped_names():
@@ -151,11 +151,11 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> None:
 def run_zoo_eval(args: argparse.Namespace, settings) -> int:
     from tqdm import tqdm
 
-    from drafters.registry import known_spec
-    from drafters.zoo import shipped_names
-    from services.engine import EmbeddedEngine, EngineConfig
-    from target.models import DEFAULT_TARGET, ModelConfig
-    from target.sampling import SamplingParams, validate_draft_length
+    from specpool.drafters.registry import known_spec
+    from specpool.drafters.zoo import shipped_names
+    from specpool.services.engine import EmbeddedEngine, EngineConfig
+    from specpool.target.models import DEFAULT_TARGET, ModelConfig
+    from specpool.target.sampling import SamplingParams, validate_draft_length
 
     validate_draft_length(args.k)
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

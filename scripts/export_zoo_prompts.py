@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from drafters.zoo_data import DEFAULT_RECIPES, collect_prompts
+from specpool.learning.zoo_data import DEFAULT_RECIPES, collect_prompts
 
 # Prompts per domain for the GPU run: everything the small corpora hold, a cap on the large ones.
 GPU_PROMPTS = {"code": 4000, "math": 6000, "translation": 6000, "summarization_qa": 4000, "chat": 4000}

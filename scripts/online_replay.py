@@ -35,7 +35,7 @@ prompt's records (``--epochs 2``) 1.491, at twice the learner time; batches of 2
 ``--rehearse`` (extra steps on earlier prompts' records) 1.493 at 1x and 1.462 at 3x, in
 ``drafted`` mode.
 
-The copy term (``"copy_window": 64``; drafters/zoo_model.py) was found here: with ``--records
+The copy term (``"copy_window": 64``; specpool/drafters/zoo_model.py) was found here: with ``--records
 served`` it gave 1.502 (+19.1 %; frozen 1.261), and with ``"grow_vocab": 2048, "grow_min_mass":
 0.5`` as well 1.522 (+20.7 %; copy_scale 50: 1.518, 400 without growth: 1.464). Those runs used a
 monkeypatched prototype of the same arithmetic (git history: scripts/copy_term_replay.py).
@@ -83,8 +83,8 @@ def build(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from bench.online import stream_prompts
-    from services.config import settings_from_env
-    from target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, load_causal_lm
+    from specpool.services.config import settings_from_env
+    from specpool.target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, load_causal_lm
 
     model, tokenizer = load_causal_lm(ModelConfig(args.target or DEFAULT_TARGET, "cpu", "float32"), settings_from_env().home)
     eos = model.generation_config.eos_token_id
@@ -178,10 +178,10 @@ def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch
 
 
 def run(args: argparse.Namespace) -> None:
-    from drafters.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM
-    from drafters.zoo import load_zoo_model
-    from services.config import settings_from_env
-    from target.models import DEFAULT_TARGET
+    from specpool.learning.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM
+    from specpool.drafters.zoo import load_zoo_model
+    from specpool.services.config import settings_from_env
+    from specpool.target.models import DEFAULT_TARGET
 
     torch.manual_seed(0)
     stream = torch.load(args.stream, weights_only=False)
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
     learner = None if args.frozen else OnlineDrafterLearner(base, OnlineConfig(**json.loads(args.config)))
     target = None
     if args.records == "served":
-        from target.models import ModelConfig, load_causal_lm
+        from specpool.target.models import ModelConfig, load_causal_lm
         target, _ = load_causal_lm(ModelConfig(args.target or DEFAULT_TARGET, "cpu", "float32"), settings_from_env().home)
     started, counted, per_prompt, learn_s = time.time(), 0, [], 0.0
     history = []  # every record trained on so far (--rehearse)

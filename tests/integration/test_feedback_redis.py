@@ -12,13 +12,13 @@ import pytest
 import redis
 import torch
 
-from drafters.feedback import FeedbackRecord, InProcessFeedbackStream
-from drafters.feedback_redis import RedisFeedbackStream
-from drafters.model_store import DirectoryModelStore, VariantKey
-from drafters.online import OnlineConfig
-from drafters.zoo_model import ZooConfig, ZooLM
-from router.errors import StoreUnavailable
-from services.learner import Learner, LearningConfig
+from specpool.learning.feedback import FeedbackRecord, InProcessFeedbackStream
+from specpool.learning.feedback_redis import RedisFeedbackStream
+from specpool.learning.model_store import DirectoryModelStore, VariantKey
+from specpool.learning.online import OnlineConfig
+from specpool.drafters.zoo_model import ZooConfig, ZooLM
+from specpool.core.errors import StoreUnavailable
+from specpool.learning.learner import Learner, LearningConfig
 
 pytestmark = pytest.mark.integration
 

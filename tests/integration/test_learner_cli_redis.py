@@ -27,13 +27,13 @@ import pytest
 import redis
 import torch
 
-from drafters.feedback import InProcessFeedbackStream
-from drafters.feedback_redis import RedisFeedbackStream
-from drafters.model_store import DirectoryModelStore, VariantKey
-from drafters.online import OnlineConfig
-from drafters.registry import DrafterContext
+from specpool.learning.feedback import InProcessFeedbackStream
+from specpool.learning.feedback_redis import RedisFeedbackStream
+from specpool.learning.model_store import DirectoryModelStore, VariantKey
+from specpool.learning.online import OnlineConfig
+from specpool.drafters.registry import DrafterContext
 from redis_helpers import URL, connect_or_skip
-from services.learner import Learner, LearningConfig, registry_base_models
+from specpool.learning.learner import Learner, LearningConfig, registry_base_models
 from unit.conftest import WORDS, _prompt_texts, _save, make_model, make_tokenizer, plain_greedy
 from unit.online_helpers import target_records, write_tiny_zoo
 
@@ -75,7 +75,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 def specpool(capsys, *args: str) -> tuple[int, str, str]:
     """``specpool ARGS`` in this process."""
-    from services.cli import main
+    from specpool.cli.main import main
 
     capsys.readouterr()
     code = main(list(args))
@@ -87,7 +87,7 @@ def specpool_process(home: Path, *args: str) -> subprocess.Popen:
     """``specpool ARGS`` in a process of its own (as served mode runs the learner)."""
     env = {**os.environ, "SPECPOOL_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "specpool.cli.main", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from services.config import settings_from_env
-from services.engine import EmbeddedEngine
-from target.sampling import SamplingParams
+from specpool.services.config import settings_from_env
+from specpool.services.engine import EmbeddedEngine
+from specpool.target.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def test_target_only_matches_hugging_face_greedy(engine: EmbeddedEngine) -> None
 
 def test_cli_generate_json_on_default_target() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "Count from 1 to 10, separated by commas.",
+        [sys.executable, "-m", "specpool.cli.main", "generate", "Count from 1 to 10, separated by commas.",
          "--max-new-tokens", "20", "--json"],
         capture_output=True, text=True, timeout=600,
     )
@@ -89,7 +89,7 @@ def test_bench_served_embedded_worker_answers_like_the_engine(engine: EmbeddedEn
 
 def test_bench_served_embedded_worker_reports_a_failed_load() -> None:
     from bench.served import EmbeddedWorker
-    from router.errors import SpecpoolError
+    from specpool.core.errors import SpecpoolError
 
     with pytest.raises(SpecpoolError, match="no-such-drafter"):
         EmbeddedWorker(settings_from_env().home, ["no-such-drafter"], k=5, max_new_tokens=4, policy="metasd-ucb")

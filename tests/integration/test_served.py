@@ -24,9 +24,9 @@ import grpc
 import pytest
 import redis
 
-from router.errors import DeadlineExceeded, InvalidArgument, NotFound
-from services.client import SpecPoolClient
-from services.gen.specpool.v1 import specpool_pb2, specpool_pb2_grpc
+from specpool.core.errors import DeadlineExceeded, InvalidArgument, NotFound
+from specpool.services.client import SpecPoolClient
+from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +68,8 @@ def raw_redis():
 
 @pytest.fixture(scope="module")
 def served(raw_redis, tmp_path_factory):
-    from services.local_serve import start_local
-    from services.serve_config import default_serve_config, plan_from_config
+    from specpool.services.local_serve import start_local
+    from specpool.services.serve_config import default_serve_config, plan_from_config
 
     namespace = f"specpool-it-{uuid.uuid4().hex[:8]}"
     port, metrics_port = _free_port(), _free_port()
@@ -106,8 +106,8 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def engine():
-    from services.config import settings_from_env
-    from services.engine import EmbeddedEngine
+    from specpool.services.config import settings_from_env
+    from specpool.services.engine import EmbeddedEngine
 
     engine = EmbeddedEngine.default(settings_from_env().home)
     for name in POOL:
@@ -118,7 +118,7 @@ def engine():
 @pytest.fixture(scope="module")
 def reference(engine):
     """The embedded engine's greedy answer to a prompt (cached)."""
-    from target.sampling import SamplingParams
+    from specpool.target.sampling import SamplingParams
 
     cache: dict[str, list[int]] = {}
 
@@ -206,7 +206,7 @@ def test_four_concurrent_sessions_are_each_correct(served, client, reference):
 
 def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, client, reference):
     """After a session's first call to each model server (through Serve), its calls go straight to
-    that replica's loopback endpoint (services/direct.py); the answer does not change."""
+    that replica's loopback endpoint (specpool/services/direct.py); the answer does not change."""
     router_before = _call(served.handles.router, "Direct")
     target_before = _call(served.handles.target, "Stats")["direct_calls"]
     drafters_before = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values())
@@ -346,10 +346,10 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
     variant of the zoo drafter; the drafter replica then drafts that tenant's next request with the
     new version - one version for the whole request - and the answer is still the target's own.
     Other tenants keep the shipped weights; an opted-out tenant sends nothing."""
-    from drafters.feedback import FeedbackRecord
-    from drafters.feedback_redis import FIELD
-    from drafters.model_store import DirectoryModelStore, VariantKey
-    from services.cli import main
+    from specpool.learning.feedback import FeedbackRecord
+    from specpool.learning.feedback_redis import FIELD
+    from specpool.learning.model_store import DirectoryModelStore, VariantKey
+    from specpool.cli.main import main
 
     stream = f"{served.namespace}:feedback"
     tenant = f"learn-{uuid.uuid4().hex[:6]}"
@@ -386,7 +386,7 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
 
 def test_cli_client_generate(served, reference):
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "client", "generate", PROMPTS[0], "--address", served.address,
+        [sys.executable, "-m", "specpool.cli.main", "client", "generate", PROMPTS[0], "--address", served.address,
          "--max-new-tokens", str(MAX_NEW), "--json"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -15,9 +15,9 @@ import uuid
 import pytest
 import redis
 
-from router import session_store
-from router.errors import SpecpoolError, StoreUnavailable
-from router.session_store import RedisSessionStore, SessionKey, SessionStore, open_store, tenant_key_pattern
+from specpool.router import session_store
+from specpool.core.errors import SpecpoolError, StoreUnavailable
+from specpool.router.session_store import RedisSessionStore, SessionKey, SessionStore, open_store, tenant_key_pattern
 from store_contract import CONTRACT, assert_exact_counts, run_concurrent
 
 pytestmark = pytest.mark.integration

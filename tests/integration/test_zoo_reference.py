@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from drafters.zoo import MANIFEST, shipped_names
-from services.config import settings_from_env
-from services.engine import EmbeddedEngine
-from target.sampling import SamplingParams
+from specpool.drafters.zoo import MANIFEST, shipped_names
+from specpool.services.config import settings_from_env
+from specpool.services.engine import EmbeddedEngine
+from specpool.target.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """Assertions shared by the CLI tests."""
 
-from services.cli import EXIT_USAGE
+from specpool.cli.main import EXIT_USAGE
 
 
 def assert_one_line_error(code, err, *fragments):

@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from target.models import ModelConfig, load_causal_lm
-from target.verifier import TargetVerifier
+from specpool.target.models import ModelConfig, load_causal_lm
+from specpool.target.verifier import TargetVerifier
 
 VOCAB_SIZE = 64
 CONTEXT_WINDOW = 256
@@ -186,7 +186,7 @@ def greedy_reference():
 @pytest.fixture(scope="session")
 def engine(model_dirs, home):
     """An embedded engine whose target is the tiny model folder."""
-    from services.engine import EmbeddedEngine, EngineConfig
+    from specpool.services.engine import EmbeddedEngine, EngineConfig
 
     return EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))))
 
@@ -195,7 +195,7 @@ def engine(model_dirs, home):
 def cli(monkeypatch, tmp_path, capsys, model_dirs):
     """Run ``specpool ARGS`` in-process with the tiny target (``target=None``: no --target);
     returns (exit code, stdout, stderr)."""
-    from services.cli import main
+    from specpool.cli.main import main
 
     monkeypatch.setenv("SPECPOOL_HOME", str(tmp_path / "home"))
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafters.feedback import FeedbackRecord
-from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
-from drafters.zoo_train import export_drafter
-from target.models import tokenizer_fingerprint
+from specpool.learning.feedback import FeedbackRecord
+from specpool.drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
+from specpool.learning.zoo_train import export_drafter
+from specpool.target.models import tokenizer_fingerprint
 
 REDUCED_VOCAB = 48  # of the tiny target's 64 tokens: some target tokens are outside it
 

@@ -6,7 +6,7 @@ import pytest
 
 from bench import report
 from bench.speed import load_questions, parse_drafters
-from router.errors import InvalidArgument, NotFound
+from specpool.core.errors import InvalidArgument, NotFound
 
 
 def rec(index, category, system, new_tokens, wall_s, rounds=None, round_s=None, draft_s=0.0, verify_s=0.0, matches=True):

@@ -12,7 +12,7 @@ import pytest
 
 from bench.online import (add_online_arguments, aggregate, main, passages, render_spread, rerender, run_online_bench, segment_of,
                           spread, stream_prompts)
-from router.errors import InvalidArgument
+from specpool.core.errors import InvalidArgument
 from online_helpers import write_tiny_zoo
 
 HEADER = "*** START OF THE PROJECT GUTENBERG EBOOK X ***\n"

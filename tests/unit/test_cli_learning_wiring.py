@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from cli_helpers import assert_one_line_error
-from drafters.feedback import InProcessFeedbackStream
-from drafters.model_store import DirectoryModelStore, VariantKey
-from drafters.online import OnlineConfig
+from specpool.learning.feedback import InProcessFeedbackStream
+from specpool.learning.model_store import DirectoryModelStore, VariantKey
+from specpool.learning.online import OnlineConfig
 from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
-from router.errors import StoreUnavailable
-from services.learner import Learner, LearningConfig, run_learner
+from specpool.core.errors import StoreUnavailable
+from specpool.learning.learner import Learner, LearningConfig, run_learner
 
 MAX_NEW = "24"
 
@@ -283,7 +283,7 @@ def test_learner_bad_options(cli, zoo_spec, options, fragments):
 
 
 def test_learner_short_and_long_option_names_agree():
-    from services.cli import build_parser
+    from specpool.cli.main import build_parser
 
     parser = build_parser()
     short = parser.parse_args(["learner", "--algo", "hedge", "--store", "/s", "--lr", "0.2", "--hedge-lrs", "0.1,1",
@@ -296,14 +296,14 @@ def test_learner_short_and_long_option_names_agree():
                               "--learn-precondition", "none", "--learn-supervision", "argmax", "--learn-copy-window", "32",
                               "--learn-merge-records", "--no-learn-detach-context", "--learn-trainable-blocks", "1"])
     assert vars(short) == vars(long)
-    from services.cli_learning import learning_config_from_args
+    from specpool.cli.learning import learning_config_from_args
 
     config = learning_config_from_args(short, ("chat",), claim_idle_s=5.0)
     assert (config.online.algorithm, config.online.hedge_lrs, config.online.precondition, config.online.supervision,
             config.online.copy_window, config.store, config.opt_out) == ("hedge", (0.1, 1.0), "none", "argmax", 32, "/s", frozenset({"x"}))
     assert (config.online.merge_records, config.online.detach_context, config.online.trainable_blocks) == (True, False, 1)
     # Without the option: the library's default (AdaGrad), with its default step sizes.
-    from drafters.online import OnlineConfig
+    from specpool.learning.online import OnlineConfig
 
     default = learning_config_from_args(parser.parse_args(["learner", "--algo", "ogd"]))
     assert (default.online.precondition, default.online.lr) == (OnlineConfig().precondition, OnlineConfig().lr) == ("adagrad", 0.002)
@@ -312,10 +312,10 @@ def test_learner_short_and_long_option_names_agree():
         assert getattr(default.online, option) == getattr(OnlineConfig(), option)
     assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every, config.commit_after_s,
             config.claim_idle_s, config.drafters) == (7, 9, True, 3, 120.0, 5.0, ("chat",))
-    from services.learner import LearningConfig
+    from specpool.learning.learner import LearningConfig
 
     assert default.commit_after_s == LearningConfig().commit_after_s
-    from router.errors import InvalidArgument
+    from specpool.core.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="commit-after-s must be > 0"):
         learning_config_from_args(parser.parse_args(["learner", "--commit-after-s", "0"]))
@@ -327,7 +327,7 @@ def test_learner_short_and_long_option_names_agree():
 def online_namespace(argv: list[str]) -> dict:
     """What ``python -m bench.online ARGV`` runs, with the defaults spelled out."""
     from bench.online import add_online_arguments
-    from target.models import DEFAULT_TARGET
+    from specpool.target.models import DEFAULT_TARGET
 
     parser = argparse.ArgumentParser()
     add_online_arguments(parser)
@@ -339,7 +339,7 @@ def online_namespace(argv: list[str]) -> dict:
 def bench_namespace(argv: list[str]) -> dict:
     """What ``specpool bench --online ARGV`` runs (bench/online.py's namespace)."""
     from bench.online import online_args_from_bench
-    from services.cli import build_parser
+    from specpool.cli.main import build_parser
 
     args = vars(online_args_from_bench(build_parser().parse_args(["bench", "--online", *argv])))
     assert args.pop("via_specpool") and args.pop("dtype") == "auto"
@@ -363,7 +363,7 @@ def test_bench_online_options_map_one_to_one():
 
 def test_bench_without_online_keeps_its_defaults():
     from bench.speed import resolve_bench_defaults
-    from services.cli import build_parser
+    from specpool.cli.main import build_parser
 
     args = resolve_bench_defaults(build_parser().parse_args(["bench", "--prompts", "p.jsonl"]))
     assert (args.online, args.max_new_tokens, args.drafters, args.out) == (False, 128, "ngram", "bench/results/latest")

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers (target/cpu_linear.py): same numbers as nn.Linear, rows that do
+"""oneDNN-packed linear layers (specpool/target/cpu_linear.py): same numbers as nn.Linear, rows that do
 not depend on how many share a forward, the right models packed, bad modes refused."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from router.errors import InvalidArgument
-from target.cpu_linear import PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
-from target.kv_cache import PrefixCache
-from target.models import ModelConfig, load_causal_lm
-from target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
+from specpool.core.errors import InvalidArgument
+from specpool.target.cpu_linear import PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
+from specpool.target.kv_cache import PrefixCache
+from specpool.target.models import ModelConfig, load_causal_lm
+from specpool.target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
 
 needs_onednn = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
 

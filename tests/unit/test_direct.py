@@ -1,4 +1,4 @@
-"""Same-node direct routes (services/direct.py): a real loopback gRPC endpoint on its own event loop,
+"""Same-node direct routes (specpool/services/direct.py): a real loopback gRPC endpoint on its own event loop,
 called through ``DeploymentCaller`` the way the router calls a model replica. Ray Serve's handle is
 replaced by a stand-in that answers the way a replica does (its response carries the route); the
 real Serve path is covered by tests/integration/test_served.py."""
@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from router.errors import InvalidArgument
-from services import direct
-from services.direct import DirectEndpoint, DirectRoutes
-from services.gen.specpool.v1 import common_pb2, drafter_pb2
-from services.remote import DeploymentCaller
+from specpool.core.errors import InvalidArgument
+from specpool.services import direct
+from specpool.services.direct import DirectEndpoint, DirectRoutes
+from specpool.v1 import common_pb2, drafter_pb2
+from specpool.services.remote import DeploymentCaller
 
 NODE = "node-a"
 

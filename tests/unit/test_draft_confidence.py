@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from drafters.hf_model import HFModelDrafter
-from router.loop import FixedChooser, speculative_generate
-from target.sampling import SamplingParams
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("threshold, expected", [(0.0, 6), (1.01, 1)])

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import CostMeter, Drafter, Proposal
-from drafters.hf_model import HFModelDrafter
-from drafters.ngram import NGramDrafter
-from drafters.registry import DrafterContext, create_drafter, drafter_kinds
-from router.errors import InvalidArgument, ModelUnavailable, NotFound
-from target.models import tokenizer_fingerprint
-from target.sampling import SamplingParams
+from specpool.drafters.base import CostMeter, Drafter, Proposal
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.drafters.registry import DrafterContext, create_drafter, drafter_kinds
+from specpool.core.errors import InvalidArgument, ModelUnavailable, NotFound
+from specpool.target.models import tokenizer_fingerprint
+from specpool.target.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -206,8 +206,8 @@ def test_hf_drafter_sampled_q_is_the_top_k_renormalised(noisy_lm):
 def test_drafter_and_target_draw_from_separate_streams():
     """Drafts and acceptance uniforms must be independent, so the per-round generators of the
     drafter and the target must differ for the same (seed, position)."""
-    from drafters.hf_model import DRAFTER_STREAM
-    from target.verifier import TARGET_STREAM
+    from specpool.drafters.hf_model import DRAFTER_STREAM
+    from specpool.target.verifier import TARGET_STREAM
 
     assert DRAFTER_STREAM != TARGET_STREAM
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.ngram import NGramDrafter
-from router.errors import IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound
-from services.engine import EmbeddedEngine, EngineConfig, TextStreamer
-from target.models import (
+from specpool.drafters.ngram import NGramDrafter
+from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound
+from specpool.services.engine import EmbeddedEngine, EngineConfig, TextStreamer
+from specpool.target.models import (
     ModelConfig,
     check_same_tokenizer,
     context_window,
@@ -16,7 +16,7 @@ from target.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
-from target.sampling import SamplingParams
+from specpool.target.sampling import SamplingParams
 
 # -- model loading -----------------------------------------------------------------------------------
 

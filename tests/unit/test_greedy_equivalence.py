@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from drafters.hf_model import HFModelDrafter
-from drafters.ngram import NGramDrafter
-from router.loop import FixedChooser, speculative_generate
-from target.sampling import SamplingParams
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.sampling import SamplingParams
 
 NEW_TOKENS = 12
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
@@ -26,7 +26,7 @@ def drafters(noisy_lm, random_lm):
 
 @pytest.fixture(scope="module")
 def target_only(target_lm, prompts):
-    from target.verifier import TargetVerifier
+    from specpool.target.verifier import TargetVerifier
 
     verifier = TargetVerifier(*target_lm)
     outputs = []

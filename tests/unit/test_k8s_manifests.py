@@ -187,14 +187,14 @@ def test_only_the_router_is_exposed():
     """One exposed application: Serve's gRPC proxy then routes without `application` metadata."""
     exposed = [name for name, app in applications().items() if app["route_prefix"] is not None]
     assert exposed == ["router"]
-    assert applications()["router"]["import_path"] == "services.serve_app:build_router_app"
+    assert applications()["router"]["import_path"] == "specpool.services.serve_app:build_router_app"
 
 
 def test_grpc_options_point_at_the_specpool_servicer():
     options = serve_config()["grpc_options"]
     assert options["port"] == 9000
     functions = options["grpc_servicer_functions"]
-    assert "services.gen.specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server" in functions
+    assert "specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server" in functions
     for function in functions:
         assert callable(_resolve(function)), function
 
@@ -206,8 +206,8 @@ def test_router_args_and_the_pool():
         assert key in args, f"router args lack {key}"
     assert isinstance(args["k"], int) and 1 <= args["k"] <= 32
     target = apps[args["target_app"]]
-    assert target["import_path"] == "services.serve_app:build_target_app"
-    drafter_apps = {name: app for name, app in apps.items() if app["import_path"] == "services.serve_app:build_drafter_app"}
+    assert target["import_path"] == "specpool.services.serve_app:build_target_app"
+    drafter_apps = {name: app for name, app in apps.items() if app["import_path"] == "specpool.services.serve_app:build_drafter_app"}
     assert drafter_apps, "no drafter applications"
     # The router's pool and the drafter applications agree, both ways.
     assert set(args["drafter_apps"].values()) == set(drafter_apps)
@@ -278,7 +278,7 @@ def test_redis_url_names_the_redis_service():
 
 
 def test_every_ray_container_has_serves_data_path_settings():
-    from services.serve_config import SERVE_ENV
+    from specpool.services.serve_config import SERVE_ENV
 
     for container in _ray_containers(ray_service()):
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
@@ -377,13 +377,13 @@ def test_grpc_service_targets_the_serve_grpc_port():
 # -- the application builders exist -----------------------------------------------------------------
 def test_import_paths_are_collected():
     assert import_paths() == [
-        "services.serve_app:build_drafter_app",
-        "services.serve_app:build_router_app",
-        "services.serve_app:build_target_app",
+        "specpool.services.serve_app:build_drafter_app",
+        "specpool.services.serve_app:build_router_app",
+        "specpool.services.serve_app:build_target_app",
     ]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("services.serve_app") is None, reason="services/serve_app.py not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("specpool.services.serve_app") is None, reason="specpool/services/serve_app.py not written yet")
 @pytest.mark.parametrize("path", import_paths())
 def test_import_paths_resolve(path: str):
     assert callable(_resolve(path)), f"{path} is not callable"

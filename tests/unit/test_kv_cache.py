@@ -1,4 +1,4 @@
-"""KV caches (target/kv_cache.py): prefix reuse gives the same logits as a fresh forward, and the
+"""KV caches (specpool/target/kv_cache.py): prefix reuse gives the same logits as a fresh forward, and the
 rollback after a verify leaves no trace of rejected draft tokens."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from drafters.hf_model import HFModelDrafter
-from target.kv_cache import PrefixCache, SessionCaches, common_prefix_length
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from router.errors import InvalidArgument
-from target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier, VerifyRequest, forward_width
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.target.kv_cache import PrefixCache, SessionCaches, common_prefix_length
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.core.errors import InvalidArgument
+from specpool.target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier, VerifyRequest, forward_width
 
 ATOL = 1e-5
 
@@ -179,7 +179,7 @@ def test_session_caches_lru(target_lm):
     assert len(caches) == 1
 
 
-# -- padded forwards (target.verifier.forward_width) -------------------------------------------------
+# -- padded forwards (specpool.target.verifier.forward_width) -------------------------------------------------
 
 
 @pytest.mark.parametrize("fed, widths, expected", [

@@ -1,4 +1,4 @@
-"""The learner worker (services/learner.py) on the tiny target and a tiny zoo drafter: it consumes
+"""The learner worker (specpool/learning/learner.py) on the tiny target and a tiny zoo drafter: it consumes
 and acknowledges; after a crash the unacknowledged records come back and every record's effect
 counts exactly once; a corrupted update is rolled back; one tenant's feedback never changes another
 tenant's drafter; bad records are rejected and counted; and, through the embedded engine, drafters
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.feedback import Delivery, FeedbackRecord, InProcessFeedbackStream
-from drafters.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey
-from drafters.online import OnlineConfig, OnlineDrafterLearner
+from specpool.learning.feedback import Delivery, FeedbackRecord, InProcessFeedbackStream
+from specpool.learning.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey
+from specpool.learning.online import OnlineConfig, OnlineDrafterLearner
 from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
-from services import learner as learner_module
-from services.engine import EmbeddedEngine, EngineConfig
-from services.learner import Learner, LearningConfig, is_held_out
-from target.models import ModelConfig
-from target.sampling import SamplingParams
+from specpool.learning import learner as learner_module
+from specpool.services.engine import EmbeddedEngine, EngineConfig
+from specpool.learning.learner import Learner, LearningConfig, is_held_out
+from specpool.target.models import ModelConfig
+from specpool.target.sampling import SamplingParams
 from test_online import BAD_RECORDS
 
 DRAFTER = "d"
@@ -500,7 +500,7 @@ def test_run_learner_until_stopped(tmp_path, zoo_base, records):
 
 
 def test_registry_base_models_only_builds_allowed_drafters(home):
-    from drafters.registry import DrafterContext
+    from specpool.drafters.registry import DrafterContext
 
     base = learner_module.registry_base_models(DrafterContext(home), allowed=["ngram"])
     assert base("hf:some-org/some-model") is None  # never loaded: not allowed
@@ -510,8 +510,8 @@ def test_registry_base_models_only_builds_allowed_drafters(home):
 def test_learning_options():
     import argparse
 
-    from router.errors import InvalidArgument
-    from services.cli_learning import add_learner_command, add_learning_arguments, learning_config_from_args
+    from specpool.core.errors import InvalidArgument
+    from specpool.cli.learning import add_learner_command, add_learning_arguments, learning_config_from_args
 
     parser = argparse.ArgumentParser()
     add_learning_arguments(parser)
@@ -531,7 +531,7 @@ def test_learning_options():
 
 def test_learning_only_between_requests(home, model_dirs, zoo_spec, tmp_path, prompts):
     """continuous=False: records wait in the stream while requests run; commit_now applies them."""
-    from services.learner import EmbeddedLearning
+    from specpool.learning.learner import EmbeddedLearning
 
     engine = EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))))
     engine.learning = EmbeddedLearning(LearningConfig(store=str(tmp_path / "store"), holdout_every=0), home, continuous=False)
@@ -552,15 +552,15 @@ def test_learning_only_between_requests(home, model_dirs, zoo_spec, tmp_path, pr
 
 
 def test_served_variants_pin_one_version_per_request_and_follow_promotions(tmp_path, zoo_base, prompts):
-    """What a served drafter replica (services/serve_app.py DrafterServer) does with a model store:
+    """What a served drafter replica (specpool/services/serve_app.py DrafterServer) does with a model store:
     a request's first round gets the tenant's serving version, its later rounds exactly that one
     (also on a fresh replica, from the store), other tenants keep theirs."""
-    from drafters.hot_swap import ServedVariants
-    from drafters.model_store import SHARED_SCOPE
-    from drafters.online import OnlineDrafterLearner
-    from drafters.zoo import ZooDrafter
-    from router.errors import ModelUnavailable
-    from target.sampling import SamplingParams
+    from specpool.learning.hot_swap import ServedVariants
+    from specpool.learning.model_store import SHARED_SCOPE
+    from specpool.learning.online import OnlineDrafterLearner
+    from specpool.drafters.zoo import ZooDrafter
+    from specpool.core.errors import ModelUnavailable
+    from specpool.target.sampling import SamplingParams
 
     store = DirectoryModelStore(tmp_path / "store")
     base = ZooDrafter(DRAFTER, zoo_base, {"target_tokenizer_fingerprint": "x"})
@@ -615,7 +615,7 @@ def test_served_variants_pin_one_version_per_request_and_follow_promotions(tmp_p
 def test_remembered_serving_scores_give_the_fresh_comparison(tmp_path, zoo_base, records):
     """The serving version's held-out scores are kept per record between commits; every commit's
     figures equal a comparison made from scratch on that commit's held-out set."""
-    from drafters.online import build_served_model, compare
+    from specpool.learning.online import build_served_model, compare
 
     stream = InProcessFeedbackStream(capacity=1000)
     learner = make_learner(tmp_path, stream, zoo_base, publish_every=10**6, holdout_every=3, min_holdout=2,

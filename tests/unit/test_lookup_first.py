@@ -1,4 +1,4 @@
-"""``lookup:SPEC`` (drafters/lookup_first.py): prompt lookup first, the model where nothing
+"""``lookup:SPEC`` (specpool/drafters/lookup_first.py): prompt lookup first, the model where nothing
 matches. Lossless both ways (greedy identical to target-only, sampled output follows the target's
 distribution), both sources really used, and bad specs refused."""
 
@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
-from drafters.hf_model import HFModelDrafter
-from drafters.lookup_first import LookupFirstDrafter
-from drafters.registry import DrafterContext, create_drafter
-from router.errors import InvalidArgument
-from router.loop import FixedChooser, speculative_generate
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.lookup_first import LookupFirstDrafter
+from specpool.drafters.registry import DrafterContext, create_drafter
+from specpool.core.errors import InvalidArgument
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier
 from test_sampled_generation import chi_square_ok, exact_first_two, tv
 
 NEW_TOKENS = 12

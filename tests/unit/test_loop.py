@@ -1,13 +1,13 @@
-"""The speculative loop (router/loop.py): max_new_tokens met exactly, stop tokens end generation
+"""The speculative loop (specpool/router/loop.py): max_new_tokens met exactly, stop tokens end generation
 right after them (inside an accepted run too), streaming, cancellation, round records."""
 
 from __future__ import annotations
 
 import pytest
 
-from drafters.base import Proposal
-from drafters.hf_model import HFModelDrafter
-from router.loop import (
+from specpool.drafters.base import Proposal
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.router.loop import (
     Choice,
     FixedChooser,
     GenerationResult,
@@ -15,8 +15,8 @@ from router.loop import (
     block_divergence,
     speculative_generate,
 )
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ class ShortDrafter:
     tokenizer_fingerprint = None
 
     def __init__(self):
-        from drafters.base import CostMeter
+        from specpool.drafters.base import CostMeter
 
         self.cost = CostMeter()
 

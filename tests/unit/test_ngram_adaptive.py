@@ -3,8 +3,8 @@ follow its proposals how often they are accepted, and proposes less when they fa
 
 from __future__ import annotations
 
-from drafters.ngram import NGramDrafter
-from target.sampling import SamplingParams
+from specpool.drafters.ngram import NGramDrafter
+from specpool.target.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 # A context whose suffix (7, 8) occurred before, followed by 9 10 11 12 13 14.

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from drafters.feedback import (
+from specpool.learning.feedback import (
     BadFeedback,
     FeedbackEmitter,
     FeedbackLimits,
@@ -22,8 +22,8 @@ from drafters.feedback import (
     InProcessFeedbackStream,
     record_from_round,
 )
-from drafters.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey, open_model_store
-from drafters.online import (
+from specpool.learning.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey, open_model_store
+from specpool.learning.online import (
     OnlineConfig,
     OnlineDrafterLearner,
     ZooEnsembleLM,
@@ -37,11 +37,11 @@ from drafters.online import (
     sparse_tv,
     vocab_map_for,
 )
-from drafters.zoo import ZooDrafter
+from specpool.drafters.zoo import ZooDrafter
 from online_helpers import target_records, tiny_zoo_model
-from router.errors import InvalidArgument, NotFound
-from router.loop import FixedChooser, RoundFeedback, speculative_generate
-from target.sampling import SamplingParams
+from specpool.core.errors import InvalidArgument, NotFound
+from specpool.router.loop import FixedChooser, RoundFeedback, speculative_generate
+from specpool.target.sampling import SamplingParams
 
 # --- pure math ----------------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ def test_token_ids_beyond_the_vocabulary_are_out_of_range():
 def test_record_from_a_real_round_is_bounded(verifier, noisy_lm, prompts):
     """The loop's feedback hook + the target's top-K give records of k+1 rows, K entries each,
     the context cut to its tail; the output is the same as without feedback."""
-    from drafters.hf_model import HFModelDrafter
+    from specpool.drafters.hf_model import HFModelDrafter
 
     drafters = {"noisy": HFModelDrafter("noisy", *noisy_lm)}
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -238,7 +238,7 @@ def test_record_from_a_real_round_is_bounded(verifier, noisy_lm, prompts):
 def session_records(verifier, noisy_lm, prompt, context_tail: int, session: str = "m") -> tuple[list[FeedbackRecord], list[int]]:
     """The feedback records of one greedy request with the noisy drafter (which gets rejected),
     and the request's whole token sequence."""
-    from drafters.hf_model import HFModelDrafter
+    from specpool.drafters.hf_model import HFModelDrafter
 
     stream = InProcessFeedbackStream(capacity=1000)
     emitter = FeedbackEmitter(stream, context_tail=context_tail)
@@ -267,7 +267,7 @@ def test_merged_records_are_one_sequence_with_the_same_rows_on_the_path(verifier
     record keeps its rows up to the target's correction (j <= accepted), the last one all its
     rows; the drafter's logits at the kept rows are those of the records fitted one by one
     (whole contexts here, so every row sees the same prefix either way)."""
-    from drafters.online import batch_sequences
+    from specpool.learning.online import batch_sequences
 
     records, sequence = session_records(verifier, noisy_lm, prompts[1], context_tail=256)
     assert len(records) >= 3 and any(r.accepted < len(r.draft) for r in records[:-1])
@@ -297,7 +297,7 @@ def test_merged_records_are_one_sequence_with_the_same_rows_on_the_path(verifier
 
 
 def test_only_records_that_line_up_are_merged(verifier, noisy_lm, prompts):
-    from drafters.online import batch_sequences
+    from specpool.learning.online import batch_sequences
 
     records, _ = session_records(verifier, noisy_lm, prompts[2], context_tail=8)
     other, _ = session_records(verifier, noisy_lm, prompts[3], context_tail=8, session="n")
@@ -313,7 +313,7 @@ def test_only_records_that_line_up_are_merged(verifier, noisy_lm, prompts):
 
 
 def plain_result(fb: RoundFeedback):
-    from target.verifier import VerifyResult
+    from specpool.target.verifier import VerifyResult
 
     return VerifyResult(fb.result.accepted, fb.result.tokens, fb.result.tv)
 
@@ -481,7 +481,7 @@ def test_only_the_last_trainable_blocks_learn(trainable_blocks, trained, zoo_bas
     # The optimiser state holds the trained parameters only: one AdaGrad sum each.
     assert len(learner.accumulated[0]) == sum(p.requires_grad for p in member.parameters())
     # A checkpoint goes on only under the same setting.
-    from services.learner import checkpoint_conflict
+    from specpool.learning.learner import checkpoint_conflict
 
     state = {"learner": learner.state_dict()}
     key = VariantKey("t", "chat")
@@ -542,7 +542,7 @@ def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_recor
     ([0.97, 0.02, 0.01], 0.0, [0.97, 0.02, 0.01]),
 ])
 def test_served_weights(weights, minimum, expected):
-    from drafters.online import served_weights
+    from specpool.learning.online import served_weights
 
     assert served_weights(torch.tensor(weights), minimum).tolist() == pytest.approx(expected)
 
@@ -616,7 +616,7 @@ def test_ensemble_drafter_is_lossless(zoo_base, stream_records, verifier, prompt
     ],
 )
 def test_adagrad_scale(grads, accumulated, expected, expected_g):
-    from drafters.online import adagrad_scale
+    from specpool.learning.online import adagrad_scale
 
     scaled, new = adagrad_scale([torch.tensor(grads)], None if accumulated is None else [torch.tensor(accumulated)], eps=0.0)
     torch.testing.assert_close(scaled[0], torch.tensor(expected))
@@ -646,13 +646,13 @@ def test_adagrad_preconditioned_learning_lowers_the_loss(zoo_base, stream_record
     ],
 )
 def test_rollback_decision(candidate, serving, z, drop, z_min, regressed):
-    from drafters.online import Comparison
+    from specpool.learning.online import Comparison
 
     assert Comparison(candidate, serving, z, 100).regressed(drop, z_min) is regressed
 
 
 def test_compare_versions(zoo_base, stream_records):
-    from drafters.online import compare
+    from specpool.learning.online import compare
 
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
     same = compare(zoo_base, zoo_base, stream_records, "soft")
@@ -746,7 +746,7 @@ def test_grown_vocabulary_learns_serves_and_stays_lossless(algorithm, zoo_base, 
     served = build_served_model(zoo_base, tensors, metadata)
     assert torch.equal(served.vocab_ids, learner.members[0].vocab_ids)
     # Versions with different vocabularies compare on the same positions.
-    from drafters.online import compare
+    from specpool.learning.online import compare
 
     comparison = compare(served, zoo_base, stream_records, "soft")
     assert comparison.positions == everything_before.positions
@@ -791,7 +791,7 @@ def test_grown_vocabulary_travels_with_checkpoints_and_versions(zoo_base, stream
 
 
 def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
-    from drafters.online import compare, paired, record_bd
+    from specpool.learning.online import compare, paired, record_bd
 
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
     for record in stream_records[:8]:
@@ -817,7 +817,7 @@ def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
 
 def with_copy_weight(base, window: int, logits: float):
     """A copy of ``base`` with a copy term of ``window`` whose weight adds ``logits``."""
-    from drafters.online import clone_zoo
+    from specpool.learning.online import clone_zoo
 
     model = clone_zoo(base, copy_window=window, copy_scale=10.0)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Policy math (router/policies.py) as tables of cases: rewards, UCB indices, discounting, Exp3
+"""Policy math (specpool/router/policies.py) as tables of cases: rewards, UCB indices, discounting, Exp3
 weights, sequential halving's phases, warm start, and the registry's errors."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from router.errors import InvalidArgument, NotFound
-from router.loop import RoundRecord
-from router.policies import (
+from specpool.core.errors import InvalidArgument, NotFound
+from specpool.router.loop import RoundRecord
+from specpool.router.policies import (
     Exp3,
     PolicyOptions,
     WarmStart,

@@ -1,4 +1,4 @@
-"""Policies in the loop (router/bandit.py): lossless under every policy, state carried by the
+"""Policies in the loop (specpool/router/bandit.py): lossless under every policy, state carried by the
 session store, seeds repeat, and the CLI's --policy / --trace / --pool / --store."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import pytest
 
 from cli_helpers import assert_one_line_error
-from drafters.hf_model import HFModelDrafter
-from drafters.ngram import NGramDrafter
-from router.bandit import BanditChooser
-from router.loop import RoundRecord, speculative_generate
-from router.policies import POLICIES, make_policy
-from router.session_store import InMemorySessionStore, SessionKey
-from target.sampling import SamplingParams
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.router.bandit import BanditChooser
+from specpool.router.loop import RoundRecord, speculative_generate
+from specpool.router.policies import POLICIES, make_policy
+from specpool.router.session_store import InMemorySessionStore, SessionKey
+from specpool.target.sampling import SamplingParams
 
 EVERY_POLICY = list(POLICIES) + ["fixed:noisy", "metasd-ucb+warm"]
 

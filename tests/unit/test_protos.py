@@ -1,4 +1,4 @@
-"""The protos and their generated code (services/gen/): up to date, importable, documented,
+"""The protos and their generated code (specpool/v1/): up to date, importable, documented,
 round-tripping, and following the proto style rules (enums start at *_UNSPECIFIED = 0)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-from services import protogen
+from specpool.services import protogen
 
-GEN_V1 = protogen.GEN_ROOT / "specpool" / "v1"
+GEN_V1 = protogen.GEN_ROOT
 PROTO_NAMES = ["common", "drafter", "specpool", "target"]
-MODULES = [f"services.gen.specpool.v1.{name}{suffix}" for name in PROTO_NAMES for suffix in ("_pb2", "_pb2_grpc")]
+MODULES = [f"specpool.v1.{name}{suffix}" for name in PROTO_NAMES for suffix in ("_pb2", "_pb2_grpc")]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,14 @@ def rendered() -> dict[str, bytes]:
 
 
 def _pb2(name: str):
-    return importlib.import_module(f"services.gen.specpool.v1.{name}_pb2")
+    return importlib.import_module(f"specpool.v1.{name}_pb2")
 
 
 # -- the generated code is what the protos generate -------------------------------------------------
 def test_generated_code_is_up_to_date(rendered):
     stale = protogen.stale_files()
     assert not stale, (
-        "generated code is stale; run `python -m services.protogen` and commit services/gen/: " + ", ".join(stale)
+        "generated code is stale; run `python -m specpool.services.protogen` and commit specpool/v1/: " + ", ".join(stale)
     )
 
 
@@ -43,19 +43,19 @@ def test_every_proto_has_generated_modules(rendered):
     assert protos == PROTO_NAMES, "a proto was added or removed: update PROTO_NAMES"
     for name in PROTO_NAMES:
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
-            assert f"specpool/v1/{name}{suffix}" in rendered
+            assert f"{name}{suffix}" in rendered
 
 
 def test_check_names_changed_missing_and_leftover_files(tmp_path: Path, rendered):
     gen = tmp_path / "gen"
     shutil.copytree(protogen.GEN_ROOT, gen, ignore=shutil.ignore_patterns("__pycache__"))
     assert protogen.stale_files(gen) == []
-    with (gen / "specpool/v1/target_pb2.py").open("a") as f:
+    with (gen / "target_pb2.py").open("a") as f:
         f.write("# edited by hand\n")
-    (gen / "specpool/v1/drafter_pb2.pyi").unlink()
-    (gen / "specpool/v1/removed_pb2.py").write_text("# from a proto that no longer exists\n")
+    (gen / "drafter_pb2.pyi").unlink()
+    (gen / "removed_pb2.py").write_text("# from a proto that no longer exists\n")
     stale = {Path(p).relative_to(gen).as_posix() for p in protogen.stale_files(gen)}
-    assert stale == {"specpool/v1/target_pb2.py", "specpool/v1/drafter_pb2.pyi", "specpool/v1/removed_pb2.py"}
+    assert stale == {"target_pb2.py", "drafter_pb2.pyi", "removed_pb2.py"}
 
 
 def test_check_sees_a_changed_proto(tmp_path: Path, rendered):
@@ -64,7 +64,7 @@ def test_check_sees_a_changed_proto(tmp_path: Path, rendered):
     common = protos / "specpool/v1/common.proto"
     common.write_text(common.read_text().replace("bool released = 1;", "bool released = 1;\n  // Added.\n  uint32 freed_bytes = 2;"))
     stale = protogen.stale_files(proto_root=protos)
-    assert "services/gen/specpool/v1/common_pb2.py" in stale
+    assert "specpool/v1/common_pb2.py" in stale
 
 
 def test_generation_is_reproducible(tmp_path: Path, rendered):
@@ -75,7 +75,9 @@ def test_generation_is_reproducible(tmp_path: Path, rendered):
         text = content.decode()
         assert str(protogen.REPO_ROOT) not in text and str(tmp_path) not in text, f"{rel} embeds an absolute path"
         if rel.endswith((".py", ".pyi")) and rel != "__init__.py":
-            assert "from specpool." not in text and "import specpool." not in text, f"{rel} imports the bare proto package"
+            # protoc's own imports name the proto package, which is the installed package: nothing else.
+            ours = [line for line in text.splitlines() if line.startswith(("from specpool", "import specpool"))]
+            assert all(line.startswith("from specpool.v1 import ") for line in ours), f"{rel}: {ours}"
 
 
 def test_cli_check_exit_status(tmp_path: Path, monkeypatch, capsys, rendered):
@@ -83,9 +85,9 @@ def test_cli_check_exit_status(tmp_path: Path, monkeypatch, capsys, rendered):
     shutil.copytree(protogen.GEN_ROOT, gen, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(protogen, "GEN_ROOT", gen)
     assert protogen.main(["--check"]) == 0
-    (gen / "specpool/v1/specpool_pb2.py").write_text("# stale\n")
+    (gen / "specpool_pb2.py").write_text("# stale\n")
     assert protogen.main(["--check"]) == 1
-    assert "specpool/v1/specpool_pb2.py" in capsys.readouterr().err
+    assert "gen/specpool_pb2.py" in capsys.readouterr().err
 
 
 # -- importable, services present -------------------------------------------------------------------
@@ -101,7 +103,7 @@ def test_services_and_their_methods():
         ("target", "Target"): {"Verify": (False, False), "Release": (False, False)},
     }
     for (name, service), methods in expected.items():
-        grpc_module = importlib.import_module(f"services.gen.specpool.v1.{name}_pb2_grpc")
+        grpc_module = importlib.import_module(f"specpool.v1.{name}_pb2_grpc")
         for attr in (f"{service}Stub", f"{service}Servicer", f"add_{service}Servicer_to_server"):
             assert hasattr(grpc_module, attr), f"{name}_pb2_grpc lacks {attr}"
         descriptor = _pb2(name).DESCRIPTOR.services_by_name[service]
@@ -200,7 +202,7 @@ def test_negative_token_ids_are_refused_at_construction():
 def test_messages_pickle_through_their_importable_module():
     """Ray ships messages between processes by pickling: the classes' module must import."""
     sp = _pb2("specpool")
-    assert sp.GenerateRequest.__module__ == "services.gen.specpool.v1.specpool_pb2"
+    assert sp.GenerateRequest.__module__ == "specpool.v1.specpool_pb2"
     request = sp.GenerateRequest(prompt="hi", k=3)
     assert pickle.loads(pickle.dumps(request)) == request
 

@@ -1,4 +1,4 @@
-"""Speculative sampling (target/rejection.py): tables of exact cases, and the statistical proof
+"""Speculative sampling (specpool/target/rejection.py): tables of exact cases, and the statistical proof
 of losslessness on a small vocabulary (the emitted token follows p whatever q is)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.errors import InvalidArgument
-from target.rejection import SparseDist, VerifyOutcome, speculative_verify, tv_distance
+from specpool.core.errors import InvalidArgument
+from specpool.target.rejection import SparseDist, VerifyOutcome, speculative_verify, tv_distance
 
 V = 8
 P0 = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])

@@ -1,4 +1,4 @@
-"""Replay (drafters.base.Replayable) and the policy that uses it (router/policies.ReplayUCB).
+"""Replay (specpool.drafters.base.Replayable) and the policy that uses it (router/policies.ReplayUCB).
 
 A drafter replayed on the target's greedy tokens must report exactly the accepted count it would
 have had, had it drafted that round; replays must leave later proposals unchanged; the policy
@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import pytest
 
-from drafters.hf_model import HFModelDrafter
-from drafters.lookup_first import LookupFirstDrafter
-from drafters.ngram import NGramDrafter
-from router.bandit import BanditChooser
-from router.errors import InvalidArgument
-from router.loop import FixedChooser, RoundRecord, speculative_generate
-from router.policies import PolicyOptions, ReplayUCB, make_policy
-from router.session_store import InMemorySessionStore, SessionKey
-from target.sampling import SamplingParams
-from target.verifier import VerifyRequest
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.lookup_first import LookupFirstDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.router.bandit import BanditChooser
+from specpool.core.errors import InvalidArgument
+from specpool.router.loop import FixedChooser, RoundRecord, speculative_generate
+from specpool.router.policies import PolicyOptions, ReplayUCB, make_policy
+from specpool.router.session_store import InMemorySessionStore, SessionKey
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import VerifyRequest
 
 GREEDY = SamplingParams(max_new_tokens=32)
 

@@ -1,4 +1,4 @@
-"""The served router's per-request core (services/router_core.py) over in-process tiny models:
+"""The served router's per-request core (specpool/services/router_core.py) over in-process tiny models:
 the same output as the embedded engine, streaming chunks that add up, stop strings, one request
 per session, and cancellation that stops the loop and frees the session's caches everywhere."""
 
@@ -8,15 +8,15 @@ import threading
 
 import pytest
 
-from drafters.hf_model import HFModelDrafter
-from drafters.ngram import NGramDrafter
-from router.errors import Cancelled, InvalidArgument, NotFound, SessionBusy
-from router.session_store import InMemorySessionStore, SessionKey
-from services.api import GenerationSpec
-from services.metrics import PrometheusMetrics
-from services.router_core import Detokenizer, ModelInfo, RouterCore, RouterSettings
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.core.errors import Cancelled, InvalidArgument, NotFound, SessionBusy
+from specpool.router.session_store import InMemorySessionStore, SessionKey
+from specpool.services.api import GenerationSpec
+from specpool.services.metrics import PrometheusMetrics
+from specpool.services.router_core import Detokenizer, ModelInfo, RouterCore, RouterSettings
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier
 
 PROMPT = "the cat sat on the mat and the dog sat on the mat"
 
@@ -199,7 +199,7 @@ def test_detokenizer_holds_back_incomplete_text_and_stops():
 def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
     """Served online learning: each round that drafted becomes a record with the target's top-K p
     (as the learner reads it); the answer is the same as without feedback; opted-out tenants send nothing."""
-    from drafters.feedback import FeedbackEmitter, FeedbackRecord, InProcessFeedbackStream
+    from specpool.learning.feedback import FeedbackEmitter, FeedbackRecord, InProcessFeedbackStream
 
     core, *_ = parts
     reference = core.run(core.prepare(spec(session_id="plain", tenant="acme")))

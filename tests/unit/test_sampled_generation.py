@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from drafters.hf_model import HFModelDrafter
-from router.loop import FixedChooser, speculative_generate
-from target.sampling import SamplingParams, logits_to_probs
-from target.verifier import TargetVerifier
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.sampling import SamplingParams, logits_to_probs
+from specpool.target.verifier import TargetVerifier
 
 PROMPT = [1, 3, 7, 9, 3, 7, 9, 21]
 

@@ -1,4 +1,4 @@
-"""Sampling parameters (target/sampling.py): validation, the distribution p they define, and the
+"""Sampling parameters (specpool/target/sampling.py): validation, the distribution p they define, and the
 per-round seeded generators."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from router.errors import InvalidArgument
-from target.sampling import (
+from specpool.core.errors import InvalidArgument
+from specpool.target.sampling import (
     MAX_DRAFT_LENGTH,
     SamplingParams,
     logits_to_probs,

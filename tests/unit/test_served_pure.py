@@ -11,29 +11,29 @@ import pytest
 import torch
 
 from cli_helpers import assert_one_line_error
-from drafters.base import Proposal
-from router.errors import (Cancelled, DeadlineExceeded, IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound,
+from specpool.drafters.base import Proposal
+from specpool.core.errors import (Cancelled, DeadlineExceeded, IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound,
                            SessionBusy, SpecpoolError, StoreUnavailable)
-from services import api, convert, serve_config
-from services.gen.specpool.v1 import common_pb2, specpool_pb2
-from services.serve_config import DrafterArgs, RouterArgs, TargetArgs, default_serve_config, load_serve_config, plan_from_config
-from services.status import grpc_status, is_unavailable, unwrap
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from target.verifier import VerifyRequest, VerifyResult
+from specpool.services import api, convert, serve_config
+from specpool.v1 import common_pb2, specpool_pb2
+from specpool.services.serve_config import DrafterArgs, RouterArgs, TargetArgs, default_serve_config, load_serve_config, plan_from_config
+from specpool.services.status import grpc_status, is_unavailable, unwrap
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import VerifyRequest, VerifyResult
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # -- builder args ---------------------------------------------------------------------------------------------
 def test_defaults_agree_with_the_rest_of_the_code():
-    from target.models import DEFAULT_TARGET
-    from target.sampling import MAX_DRAFT_LENGTH
+    from specpool.target.models import DEFAULT_TARGET
+    from specpool.target.sampling import MAX_DRAFT_LENGTH
 
     assert serve_config.DEFAULT_TARGET == DEFAULT_TARGET
     assert serve_config.MAX_K == api.MAX_DRAFT_LENGTH == MAX_DRAFT_LENGTH
-    from router.policies import PolicyOptions
-    from services.router_core import RouterSettings
+    from specpool.router.policies import PolicyOptions
+    from specpool.services.router_core import RouterSettings
 
     for knob in ("beta", "probe_rounds"):  # the served router's policy knobs default as the embedded engine's
         assert RouterArgs.__dataclass_fields__[knob].default == getattr(RouterSettings(), knob) == getattr(PolicyOptions(), knob)
@@ -175,7 +175,7 @@ def test_load_serve_config_errors(tmp_path):
 
 
 def test_builders_validate_their_args():
-    serve_app = pytest.importorskip("services.serve_app")
+    serve_app = pytest.importorskip("specpool.services.serve_app")
     with pytest.raises(InvalidArgument, match="drafter_apps is required"):
         serve_app.build_router_app({})
     with pytest.raises(InvalidArgument, match="unknown dtype"):
@@ -334,8 +334,8 @@ def test_stats_and_finish_reasons():
 
 # -- metrics -----------------------------------------------------------------------------------------------------
 def test_round_observations():
-    from router.loop import RoundRecord
-    from services.metrics import round_observations
+    from specpool.router.loop import RoundRecord
+    from specpool.services.metrics import round_observations
 
     record = RoundRecord("code", 4, 3, 2, 3, 0.8, 0.01, 0.1, 0.12)
     obs = round_observations(record)
@@ -440,7 +440,7 @@ def test_client_without_a_server_is_one_line_and_exit_1(cli):
 
 
 def test_client_errors_map_to_domain_classes():
-    from services.client import RemoteError, error_from_rpc
+    from specpool.services.client import RemoteError, error_from_rpc
 
     class Rpc(grpc.RpcError):
         def __init__(self, code, details):
@@ -466,7 +466,7 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
     import sys
     import time
 
-    from services.local_serve import _children, lower_daemon_priority
+    from specpool.services.local_serve import _children, lower_daemon_priority
 
     def sleeper(*extra: str) -> list[str]:
         return [sys.executable, "-c", "import sys, time; time.sleep(60)", *extra]
@@ -511,7 +511,7 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
 def test_a_port_is_taken_while_something_listens_not_while_old_connections_linger():
     import socket
 
-    from services.local_serve import check_port_free
+    from specpool.services.local_serve import check_port_free
 
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

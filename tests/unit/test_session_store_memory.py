@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import InvalidArgument
-from router.session_store import (
+from specpool.core.errors import InvalidArgument
+from specpool.router.session_store import (
     InMemorySessionStore,
     SessionKey,
     SessionStore,

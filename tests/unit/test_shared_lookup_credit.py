@@ -1,4 +1,4 @@
-"""Rounds answered by a lookup that several arms share are credited to no arm (router/bandit.py).
+"""Rounds answered by a lookup that several arms share are credited to no arm (specpool/router/bandit.py).
 
 ``ngram`` and every ``lookup:SPEC`` drafter run the same prompt lookup first; when it matches,
 the round's proposal is the same whichever of them was played, so its reward must not move the
@@ -9,19 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import LOOKUP_SOURCE, Proposal
-from drafters.hf_model import HFModelDrafter
-from drafters.lookup_first import LookupFirstDrafter
-from drafters.ngram import NGramDrafter
-from drafters.registry import shared_sources
-from router.bandit import BanditChooser
-from router.loop import RoundRecord, speculative_generate
-from router.policies import make_policy
-from router.session_store import InMemorySessionStore, SessionKey
-from services import convert
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier
+from specpool.drafters.base import LOOKUP_SOURCE, Proposal
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.lookup_first import LookupFirstDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.drafters.registry import shared_sources
+from specpool.router.bandit import BanditChooser
+from specpool.router.loop import RoundRecord, speculative_generate
+from specpool.router.policies import make_policy
+from specpool.router.session_store import InMemorySessionStore, SessionKey
+from specpool.services import convert
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier
 
 SHARED = frozenset({LOOKUP_SOURCE})
 

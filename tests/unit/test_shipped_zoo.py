@@ -7,8 +7,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from drafters.zoo import MANIFEST, SHIPPED_DIR, file_sha256, shipped_files, shipped_names
-from drafters.zoo_data import DOMAINS
+from specpool.drafters.zoo import MANIFEST, SHIPPED_DIR, file_sha256, shipped_files, shipped_names
+from specpool.learning.zoo_data import DOMAINS
 
 MAX_TOTAL_BYTES = 60 * 1000 * 1000  # the budget for all shipped drafters together
 MAX_OWN_PARAMETERS = 10_000_000  # per drafter

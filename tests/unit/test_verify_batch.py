@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 
-from drafters.hf_model import HFModelDrafter
-from router.errors import InvalidArgument
-from router.loop import FixedChooser, speculative_generate
-from target.kv_cache import PrefixCache, batched_logits
-from target.rejection import SparseDist
-from target.sampling import SamplingParams
-from target.verifier import TargetVerifier, VerifyRequest, VerifyResult, plan_forwards
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.core.errors import InvalidArgument
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.kv_cache import PrefixCache, batched_logits
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult, plan_forwards
 
 ATOL = 1e-5
 
@@ -101,7 +101,7 @@ ROW_STORAGE = pytest.mark.parametrize("min_view_fill", [0.0, 2.0], ids=["views",
 def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm, monkeypatch, min_view_fill):
     """Caches in every state (fresh, extended, branched, shorter than cached, n_last past the
     cached prefix) batched together give the per-cache logits and end up holding their input."""
-    monkeypatch.setattr("target.kv_cache.MIN_VIEW_FILL", min_view_fill)
+    monkeypatch.setattr("specpool.target.kv_cache.MIN_VIEW_FILL", min_view_fill)
     model, _ = target_lm
     rng = random.Random(5)
     base = [[1] + [rng.randrange(3, 64) for _ in range(n)] for n in (0, 4, 11, 19, 7, 30)]
@@ -191,7 +191,7 @@ def test_lockstep_generation_through_verify_batch(temperature, verifier, referen
         for s in active:
             st = states[s]
             remaining = st["params"].max_new_tokens - len(st["generated"])
-            k_round = min(st["k"], remaining - 1)  # as router/loop.py: never overshoot max_new_tokens
+            k_round = min(st["k"], remaining - 1)  # as specpool/router/loop.py: never overshoot max_new_tokens
             requests.append(request(drafters, st["name"], s, prompt_of[s] + st["generated"], k_round, st["params"]))
         before = forwards.calls
         results = verifier.verify_batch(requests)
@@ -323,7 +323,7 @@ def test_batch_of_one_is_plain_verify(verifier, reference, drafters, prompts, mo
     def no_batching(*args, **kwargs):
         raise AssertionError("a batch of one must not take the padded path")
 
-    monkeypatch.setattr("target.verifier.batched_logits", no_batching)
+    monkeypatch.setattr("specpool.target.verifier.batched_logits", no_batching)
     r = request(drafters, "noisy", "solo", prompts[7], 5, SamplingParams(temperature=0.9, seed=2, max_new_tokens=10))
     [got] = verifier.verify_batch([r])
     assert_same_result(got, reference.verify(r))
@@ -346,7 +346,7 @@ def test_unbatchable_model_falls_back_to_sequential(verifier, reference, drafter
 def test_caches_after_batch_behave_like_fresh_ones(verifier, drafters, prompts, target_lm, monkeypatch, min_view_fill):
     """After batches mixing fresh, extended, branched and cropped sessions, every cache holds
     exactly context + accepted tokens, and its logits equal a fresh cache's over the same ids."""
-    monkeypatch.setattr("target.kv_cache.MIN_VIEW_FILL", min_view_fill)
+    monkeypatch.setattr("specpool.target.kv_cache.MIN_VIEW_FILL", min_view_fill)
     model, _ = target_lm
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=40)
     sessions = [f"f{i}" for i in range(5)]

@@ -23,11 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafters.ngram import best_draft_length
-from drafters.zoo import ZooDrafter, load_zoo_model
-from drafters.zoo_data import CODE_INSTRUCTION, DOMAINS, MAX_PROMPT_CHARS, collect_prompts, read_prompts
-from drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers, rope_tables
-from drafters.zoo_train import (
+from specpool.drafters.ngram import best_draft_length
+from specpool.drafters.zoo import ZooDrafter, load_zoo_model
+from specpool.learning.zoo_data import CODE_INSTRUCTION, DOMAINS, MAX_PROMPT_CHARS, collect_prompts, read_prompts
+from specpool.drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers, rope_tables
+from specpool.learning.zoo_train import (
     Sequence,
     TrainConfig,
     TrainingError,
@@ -46,10 +46,10 @@ from drafters.zoo_train import (
     trim_context,
     zoo_config_for,
 )
-from router.errors import InvalidArgument, NotFound
+from specpool.core.errors import InvalidArgument, NotFound
 from cli_helpers import assert_one_line_error
-from target.models import ModelConfig, load_causal_lm, tokenizer_fingerprint
-from target.sampling import SamplingParams
+from specpool.target.models import ModelConfig, load_causal_lm, tokenizer_fingerprint
+from specpool.target.sampling import SamplingParams
 
 MODEL_FILES = ["README.md", "config.json", "model.safetensors"]
 SPECIAL_TOKENS = {"[UNK]", "<s>", "</s>"}
@@ -68,7 +68,7 @@ def tiny_config(corpus: Path, **overrides) -> TrainConfig:
 
 
 def checkpoint_path(home: Path, out: Path, domain: str) -> Path:
-    """Where ``train_drafter`` keeps a run's checkpoint (the formula of drafters/zoo_train.py;
+    """Where ``train_drafter`` keeps a run's checkpoint (the formula of specpool/learning/zoo_train.py;
     ``test_checkpoint_location`` checks it against a real run)."""
     run_key = hashlib.sha256(f"{out.resolve()}:{domain}".encode()).hexdigest()[:12]
     return home / "zoo" / "checkpoints" / f"{domain}-{run_key}.pt"
@@ -491,7 +491,7 @@ def test_failed_export_leaves_the_previous_drafter_intact(tmp_path, trained, mod
         Path(filename).write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("drafters.zoo_train.save_file", disk_full)
+    monkeypatch.setattr("specpool.learning.zoo_train.save_file", disk_full)
     with pytest.raises(OSError):
         export_drafter(model, out, metadata, "card")
     assert {name: (out / name).read_bytes() for name in model_files_in(out)} == before
@@ -833,7 +833,7 @@ def test_heldout_selection_ships_the_best_checked_weights(pipeline, monkeypatch)
     train_steps(reference, p.sequences, p.vocab_map, config, checkpoint=None, resume=False, until=6)
 
     injected = iter([3.0, 1.0, 2.0, 4.0])
-    monkeypatch.setattr("drafters.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
+    monkeypatch.setattr("specpool.learning.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
     model = p.fresh_model()
     state = train_steps(model, p.sequences, p.vocab_map, config, None, False, heldout=p.sequences[:2])
     assert state.val_losses == [3.0, 1.0, 2.0, 4.0] and state.best_step == 6 and state.step == 12
@@ -933,7 +933,7 @@ def test_zoo_train_cli_bad_training_options(cli, corpus, tmp_path, flag, value):
 def test_init_from_a_trained_drafter_copies_blocks_norm_and_mapped_biases(trained, pipeline, model_dirs):
     """The new run's vocabulary differs from the source's (some tokens dropped, others added):
     blocks and norm are the source's; a shared token keeps its bias, a new one gets the median."""
-    from drafters.zoo_train import init_from_drafter
+    from specpool.learning.zoo_train import init_from_drafter
 
     source, _ = load_zoo_model(trained.out, trained.home, target=str(model_dirs.target))
     model = pipeline.fresh_model()
@@ -954,7 +954,7 @@ def test_init_from_a_trained_drafter_copies_blocks_norm_and_mapped_biases(traine
 
 
 def test_init_from_refuses_a_drafter_of_another_shape(trained, pipeline, model_dirs):
-    from drafters.zoo_train import init_from_drafter
+    from specpool.learning.zoo_train import init_from_drafter
 
     model = pipeline.fresh_model()
     deeper = ZooLM(dataclasses.replace(model.config, num_layers=model.config.num_layers + 1), model.embedding, model.vocab_ids)
@@ -979,7 +979,7 @@ def test_init_from_checks_the_starting_weights_on_the_heldout_set(pipeline, monk
     start = p.fresh_model()
     before = {k: v.clone() for k, v in start.state_dict().items()}
     injected = iter([1.0, 2.0, 3.0])
-    monkeypatch.setattr("drafters.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
+    monkeypatch.setattr("specpool.learning.zoo_train.heldout_loss", lambda *args, **kwargs: next(injected))
     state = train_steps(start, p.sequences, p.vocab_map, config, None, False, heldout=p.sequences[:2])
     assert state.val_losses == [1.0, 2.0, 3.0] and state.best_step == 0 and state.step == 6
     for name, value in before.items():

@@ -1,1 +1,0 @@
-"""Processes: the CLI, the embedded engine wiring, and (later) servers and workers."""

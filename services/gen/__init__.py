@@ -1,1 +1,0 @@
-"""Generated protobuf and gRPC code. Do not edit: change protos/ and run `python -m services.protogen`."""

@@ -1,0 +1,1 @@
+"""The ``specpool`` command: the top layer, wiring everything below (docs/ARCHITECTURE.md)."""

@@ -1,0 +1,200 @@
+"""The served-mode commands of ``specpool``: ``serve``, ``client generate`` and ``bench-served``.
+
+Kept apart from specpool/cli/main.py, which only registers them (``add_served_commands``) and
+dispatches (``run_served_command``). Same conventions: one ``specpool: error: ...`` line; exit
+status 2 for bad input, 1 when the server failed or could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+from specpool.core.errors import InvalidArgument, SpecpoolError, check
+
+EXIT_SERVER = 1
+INPUT_CODES = ("INVALID_ARGUMENT", "NOT_FOUND")
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def add_served_commands(commands) -> None:
+    """Add ``serve``, ``client`` and ``bench-served`` to the ``specpool`` subcommands."""
+    from specpool.services.serve_config import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT
+
+    serve = commands.add_parser("serve", help="serve the gRPC API on a local Ray Serve (served mode)")
+    serve.add_argument("--config", default=None,
+                       help="a Serve config file (YAML, the serveConfigV2 format; a RayService manifest works too); "
+                            "default: the target and every shipped drafter on this machine")
+    serve.add_argument("--redis-url", default=None,
+                       help="Redis for session state (default: the config's, else redis://127.0.0.1:6379/0)")
+    serve.add_argument("--port", type=int, default=None, help=f"gRPC port (default: the config's, else {DEFAULT_GRPC_PORT})")
+    serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                       help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
+    serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
+    serve.add_argument("--policy", default=None, help="without --config: the default policy (default metasd-ucb)")
+    serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
+    serve.add_argument("--print-config", action="store_true", help="print the Serve config that would run, and exit")
+
+    client = commands.add_parser("client", help="talk to a running `specpool serve` (or a cluster) over gRPC")
+    client_commands = client.add_subparsers(dest="client_command", required=True, parser_class=commands._parser_class)
+    gen = client_commands.add_parser("generate", help="generate text for one prompt on the server")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="HOST:PORT of the server (default 127.0.0.1:50051)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted (GenerateStream)")
+    gen.add_argument("--json", action="store_true", help="print JSON: one object (with --stream: one per message)")
+    gen.add_argument("--policy", default="", help="drafter-choice policy (default: the server's), e.g. metasd-ucb, fixed:code, thompson+warm")
+    gen.add_argument("--session", default="", help="session to continue (default: a new one; its id is printed)")
+    gen.add_argument("--tenant", default="", help="tenant the request is accounted to (default: default)")
+    gen.add_argument("-k", type=int, default=0, help="draft length 1..32 (default: the server's)")
+    gen.add_argument("--max-new-tokens", type=int, default=0, help="new tokens (default: the server's, 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends right after it")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds; past it the server stops the request")
+
+    from bench.served import add_bench_served_arguments
+
+    bench = commands.add_parser("bench-served", help="benchmark served vs embedded: tokens/s, concurrency, latency")
+    add_bench_served_arguments(bench)
+
+
+def run_served_command(args: argparse.Namespace, settings) -> int | None:
+    """Run ``args`` if it is a served-mode command; None otherwise."""
+    if args.command == "serve":
+        return cmd_serve(args, settings)
+    if args.command == "client" and args.client_command == "generate":
+        return cmd_client_generate(args)
+    if args.command == "bench-served":
+        from bench.served import run_bench_served
+
+        return run_bench_served(args, settings)
+    return None
+
+
+# -- specpool serve -----------------------------------------------------------------------------------
+def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
+    """The Serve config a `specpool serve` command line means, and where it came from."""
+    from specpool.services.serve_config import DEFAULT_GRPC_PORT, DEFAULT_REDIS_URL, default_serve_config, load_serve_config
+
+    if args.config is not None:
+        for flag, value in (("--pool", args.pool), ("--policy", args.policy), ("-k", args.k)):
+            if value is not None:
+                raise InvalidArgument(f"{flag} is for the default config; with --config, set it in {args.config}")
+        config, source = load_serve_config(Path(args.config)), args.config
+    else:
+        from specpool.services.engine import default_pool
+
+        pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
+        check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
+        check(len(set(pool)) == len(pool), f"--pool names a drafter twice: {args.pool}")
+        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or "metasd-ucb",
+                                      k=args.k if args.k is not None else 5)
+        source = "the default config"
+    if args.port is not None:
+        check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")
+        config.setdefault("grpc_options", {})["port"] = args.port
+    if args.redis_url is not None:
+        for app in config.get("applications") or []:
+            if isinstance(app, dict) and app.get("import_path") == "specpool.services.serve_app:build_router_app":
+                app.setdefault("args", {})["redis_url"] = args.redis_url
+    return config, source
+
+
+def cmd_serve(args: argparse.Namespace, settings) -> int:
+    from specpool.services.serve_config import plan_from_config
+
+    config, source = serve_config_from_args(args)
+    plan = plan_from_config(config, source)  # every builder's args checked before Ray starts
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config, sort_keys=False), end="")
+        return 0
+    check(0 <= args.metrics_port <= 65535, f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    from specpool.router.session_store import redact_url
+    from specpool.services.local_serve import start_local
+    from specpool.services.serve_config import RouterArgs
+
+    router = RouterArgs.parse(plan.router.args)
+
+    def say(message: str) -> None:
+        print(f"specpool: {message}", file=sys.stderr, flush=True)
+
+    def on_term(signum, frame):  # `kill` stops as cleanly as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    local = None
+    try:
+        local = start_local(plan, metrics_port=args.metrics_port or None, progress=say)
+        print(f"specpool: serving specpool.v1.SpecPool on {local.address} (gRPC; health checking and reflection too)", flush=True)
+        print(f"  drafters {', '.join(router.pool)}; default policy {router.policy}, k {router.k}; "
+              f"session state in {redact_url(router.redis_url)}", flush=True)
+        if local.metrics_url:
+            print(f"  metrics (Prometheus): {local.metrics_url}", flush=True)
+        print(f"  try: specpool client generate \"Hello\" --address {local.address}    (Ctrl-C to stop)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        say("shutting down ...")
+    finally:
+        if local is not None:
+            local.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+    say("stopped")
+    return 0
+
+
+# -- specpool client generate -------------------------------------------------------------------------
+def _summary(stats, finish: str, session: str) -> str:
+    tps = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+    return (f"[{stats.new_tokens} new tokens, {stats.rounds} rounds, mean accepted length "
+            f"{stats.mean_accepted_length:.2f}, {tps:.1f} tokens/s, finish: {finish}, session {session}]")
+
+
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    from specpool.services.client import SpecPoolClient
+
+    check(bool(args.prompt.strip()), "the prompt is empty")
+    check(_ADDRESS.match(args.address) is not None, f"--address must be HOST:PORT, got {args.address!r}")
+    check(args.timeout is None or args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    check(args.max_new_tokens >= 0, f"--max-new-tokens must be >= 0 (0 = the server's default), got {args.max_new_tokens}")
+    check(0 <= args.k <= 32, f"-k must be in 1..32 (0 = the server's default), got {args.k}")
+    check(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
+    fields = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop, policy=args.policy, k=args.k,
+                  session_id=args.session, tenant=args.tenant, timeout=args.timeout)
+    try:
+        with SpecPoolClient(args.address) as client:
+            if not args.stream:
+                answer = client.generate(args.prompt, **fields)
+                if args.json:
+                    print(json.dumps(answer.as_dict()))
+                else:
+                    print(answer.text)
+                    print(_summary(answer.stats, answer.finish_reason, answer.session_id))
+                return 0
+            last = None
+            for chunk in client.generate_stream(args.prompt, **fields):
+                if args.json:
+                    print(json.dumps(chunk.as_dict()), flush=True)
+                else:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                last = chunk
+            if not args.json and last is not None and last.stats is not None:
+                print("\n" + _summary(last.stats, last.finish_reason or "unspecified", last.session_id))
+            return 0
+    except SpecpoolError as exc:
+        if getattr(exc, "code", "") in INPUT_CODES:
+            raise
+        print(f"specpool: error: {exc.code}: {exc}", file=sys.stderr)
+        return EXIT_SERVER

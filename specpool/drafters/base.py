@@ -1,0 +1,94 @@
+"""The ``Drafter`` protocol: propose k tokens and the distributions they were drawn from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+
+
+# A proposal's ``source`` when prompt lookup (specpool/drafters/ngram.py) made it. Several drafters of one
+# pool can answer a round by the same lookup (``ngram`` and every ``lookup:SPEC``); such a round
+# says nothing about which of them is better, so the router does not credit it to the arm played.
+LOOKUP_SOURCE = "lookup"
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]  # x_1..x_k'; k' <= k (a drafter may propose fewer, even none)
+    q: list[SparseDist]  # q_i, the exact distribution x_i was sampled from
+    forward_s: float = 0.0  # time spent in model forwards (the rest of propose is bookkeeping)
+    source: str | None = None  # what made it, where drafters share a part (LOOKUP_SOURCE); None: the drafter's own
+
+
+@dataclass
+class CostMeter:
+    """Measured wall time per proposed token, an exponential moving average.
+
+    Drafters report this so that cost-aware policies can weigh cheap drafters against good ones.
+    """
+
+    alpha: float = 0.1  # weight of the newest measurement
+    seconds_per_token: float = 0.0
+    calls: int = 0
+    _started: bool = field(default=False, repr=False)
+
+    def record(self, seconds: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        sample = seconds / tokens
+        self.calls += 1
+        if not self._started:
+            self.seconds_per_token, self._started = sample, True
+        else:
+            self.seconds_per_token += self.alpha * (sample - self.seconds_per_token)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the router needs from a drafter. Implementations register a kind in the registry."""
+
+    name: str
+    tokenizer_fingerprint: str | None  # None: model-free, works with any tokenizer
+    cost: CostMeter
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """Propose up to k tokens continuing ``context_ids`` (the full context so far)."""
+        ...
+
+    def release(self, session_id: str) -> None:
+        """Forget the session (its KV cache, if any)."""
+        ...
+
+
+@runtime_checkable
+class Replayable(Protocol):
+    """A drafter that can say what it *would* have had accepted in a round it did not draft.
+
+    After a greedy round the target's tokens are known, so a drafter fed them teacher-forced
+    predicts every position in one forward and its would-be acceptance follows exactly: the
+    bandit gets a side observation of an arm it did not play (router/policies.ReplayUCB).
+    """
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int | None:
+        """How many draft tokens this drafter, asked for up to k tokens after ``context_ids``
+        under greedy ``params``, would have had accepted, given that the target's own tokens
+        there are ``continuation``. Exact when below ``len(continuation)``; a lower bound when
+        equal (the target's tokens past it are unknown); None where it cannot say (a wrapper
+        around a drafter that cannot replay). Mutates nothing a later ``propose``
+        depends on, beyond caching the context."""
+        ...
+
+
+def leading_matches(proposed: list[int], continuation: list[int]) -> int:
+    """Greedy acceptance: how many of ``proposed`` agree with ``continuation`` before the first
+    difference."""
+    accepted = 0
+    for mine, theirs in zip(proposed, continuation):
+        if mine != theirs:
+            break
+        accepted += 1
+    return accepted

@@ -1,0 +1,224 @@
+"""Run a served-mode Serve config on this machine: a local Ray cluster, Serve with its gRPC proxy,
+and the applications of a ``ServePlan``. Used by `specpool serve`, the integration tests and
+`specpool bench-served`.
+
+Logical CPUs: Ray schedules replicas by the ``num_cpus`` they ask for, and that number also sets
+each model replica's torch threads. On a small machine the replicas together may ask for more
+CPUs than it has (the target alone takes all cores for its forward passes, while drafters and the
+router mostly wait on it), so the local cluster advertises max(cores, what the plan asks for).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specpool.core.errors import InvalidArgument, ModelUnavailable
+from specpool.services.serve_config import DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, SERVE_ENV, RouterArgs, ServePlan
+
+# Ray's processes that serve no request, by a fragment of their command line: the GCS, the
+# dashboard head and agent, the autoscaler monitor, the log monitor, the runtime-env agent and the
+# Serve controller. Not the raylet (it forks the workers, which would inherit its niceness), not the
+# proxy (every client request and streamed message passes through it), not the replicas.
+RAY_DAEMONS = {
+    "/gcs/gcs_server": "gcs_server",
+    "dashboard/dashboard.py": "dashboard",
+    "ray::DashboardAgent": "dashboard agent",
+    "autoscaler/_private/monitor.py": "autoscaler monitor",
+    "_private/log_monitor.py": "log monitor",
+    "ray::RuntimeEnvAgent": "runtime-env agent",
+    "ray::ServeController": "Serve controller",
+}
+
+
+@dataclass
+class LocalServe:
+    """A running local deployment; ``shutdown()`` stops Serve and the Ray cluster."""
+
+    plan: ServePlan
+    address: str  # HOST:PORT of the gRPC API
+    metrics_url: str | None  # Prometheus text format (Ray's metrics agent)
+    _owns_ray: bool = True
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()
+
+
+def check_port_free(port: int, what: str) -> None:
+    """Fail before starting anything when ``port`` is taken (Serve's proxy would only log it)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            # As servers bind (gRPC sets it too): connections of a server that stopped a moment ago
+            # linger in TIME_WAIT on the port for a minute; only a listening socket means taken.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InvalidArgument(f"port {port} ({what}) is already in use; pick another (--port / --metrics-port) "
+                                      "or stop what holds it") from None
+        finally:
+            sock.close()
+        return
+
+
+def check_redis(url: str, namespace: str = "specpool") -> None:
+    """Unreachable Redis is a clear error before Ray starts (StoreUnavailable)."""
+    from specpool.core.errors import StoreUnavailable
+    from specpool.router.session_store import RedisSessionStore, redact_url
+
+    try:
+        RedisSessionStore(url, namespace=namespace).close()
+    except StoreUnavailable as exc:
+        reason = str(exc).split(" (", 1)[1].split(")", 1)[0] if " (" in str(exc) else str(exc)
+        raise StoreUnavailable(f"cannot reach Redis at {redact_url(url)} ({reason}); served mode keeps session state "
+                               "there: start redis-server (redis-server --daemonize yes) or pass --redis-url") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Serve's deploy failures end with the replica's own exception: its last line says the most.
+    for line in reversed(lines):
+        if ("Error" in line or "error" in line) and not line.startswith(("File ", "Traceback")):
+            return line[:400]
+    return (lines[-1] if lines else type(exc).__name__)[:400]
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces or ")"
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, str]:
+    """Run Ray's background processes (``RAY_DAEMONS``) started under ``root`` (this process) at
+    ``niceness``; returns {pid: which daemon} of those it lowered. Linux only; elsewhere, or for a
+    process that exited meanwhile, it does nothing.
+
+    Why: on a small machine the target's forward uses every core, and each of its ops waits for
+    the slowest thread; the idle cluster's periodic work (about 18 % of a core on 2 cores, mostly
+    these daemons) then lands inside forwards. At a low priority it waits for the gaps every
+    round has (while a drafter drafts, a core is free). Measured with `specpool bench-served`
+    (6 prompts, 2 cores, one session): the served verify forward 279 -> 252 ms against embedded
+    245 / 241 ms. Why it is not the default: with 8 concurrent sessions on the same 2 cores the
+    target is busy nearly all the time, and in 3 of 4 runs at niceness 19 the verify batches fell
+    apart (mostly 1 or 2 sessions; 7.1-7.6 tokens/s against 9.1-9.8 without it), so a starved
+    daemon sits on some path we did not pin down. Use it for single-stream latency only.
+    Niceness is per thread on Linux, so every thread of each process is set; threads a daemon
+    starts later inherit it. Never raises a priority; needs no privileges (same user)."""
+    if not os.path.isdir("/proc") or not hasattr(os, "setpriority"):
+        return {}
+    children = _children()
+    lowered: dict[int, str] = {}
+    stack = list(children.get(os.getpid() if root is None else root, []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                command = f.read().replace("\0", " ")
+            daemon = next((name for marker, name in RAY_DAEMONS.items() if marker in command), None)
+            if daemon is None:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if os.getpriority(os.PRIO_PROCESS, int(tid)) < niceness:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+        lowered[pid] = daemon
+    return lowered
+
+
+def start_local(
+    plan: ServePlan,
+    *,
+    metrics_port: int | None = DEFAULT_METRICS_PORT,
+    progress: Callable[[str], None] = lambda message: None,
+    log_to_driver: bool = False,
+    daemon_niceness: int | None = None,
+) -> LocalServe:
+    """Start Ray (a new local cluster), Serve and every application of ``plan``; returns when all
+    are RUNNING. Checks first, before Ray starts: Redis reachable, ports free. ``daemon_niceness``
+    (opt-in; None leaves Ray's processes as Ray starts them): see ``lower_daemon_priority``."""
+    import ray
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    router = RouterArgs.parse(plan.router.args)
+    check_redis(router.redis_url, router.redis_namespace)
+    check_port_free(plan.grpc_port, "gRPC")
+    if metrics_port:
+        check_port_free(metrics_port, "metrics")
+
+    cpus = max(os.cpu_count() or 1, math.ceil(plan.cpus_wanted()))
+    progress(f"starting Ray (local, {cpus} logical CPUs) ...")
+    init_kwargs: dict = {"address": "local", "num_cpus": cpus, "include_dashboard": False,
+                         "log_to_driver": log_to_driver, "logging_level": logging.WARNING}
+    if metrics_port:
+        init_kwargs["_metrics_export_port"] = metrics_port
+    # Ray runs its workers at niceness 15, so that they never starve its own daemons. Here the
+    # workers ARE the service (the model servers): at 15 any other busy process on the machine
+    # would starve them. The raylet reads this when it starts, and passes it to the workers.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    for name, value in SERVE_ENV.items():  # read by every Ray process it starts
+        os.environ.setdefault(name, value)
+    ray.init(**init_kwargs)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
+    started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",
+                         f"http://{DEFAULT_GRPC_HOST}:{metrics_port}/metrics" if metrics_port else None)
+    try:
+        serve.start(
+            proxy_location=plan.proxy_location,
+            http_options={"host": plan.http_host, "port": plan.http_port},
+            grpc_options={"port": plan.grpc_port, "grpc_servicer_functions": list(plan.grpc_servicer_functions)},
+            logging_config={"log_level": "WARNING", "enable_access_log": False},
+        )
+        from ray._common.utils import import_attr
+
+        targets = []
+        for app in plan.apps:
+            builder = import_attr(app.import_path)
+            targets.append(RunTarget(builder(app.args), name=app.name, route_prefix=app.route_prefix,
+                                     logging_config=app.logging_config))
+        progress(f"deploying {len(targets)} applications ({', '.join(a.name for a in plan.apps)}); loading models ...")
+        t0 = time.perf_counter()
+        try:
+            serve.run_many(targets)
+        except Exception as exc:  # noqa: BLE001 - a replica that fails to start: say which and why
+            raise ModelUnavailable(f"the applications did not start: {_first_line(exc)} "
+                                   "(full logs under /tmp/ray/session_latest/logs/serve)") from None
+        progress(f"all applications running after {time.perf_counter() - t0:.0f} s")
+        if daemon_niceness is not None:
+            lowered = lower_daemon_priority(daemon_niceness)
+            progress(f"Ray's background processes at niceness {daemon_niceness}: {', '.join(sorted(set(lowered.values())))}")
+    except BaseException:
+        started.shutdown()
+        raise
+    return started
+
+
+__all__ = ["LocalServe", "check_port_free", "check_redis", "lower_daemon_priority", "start_local"]

@@ -1,0 +1,551 @@
+"""Ray Serve applications of served mode, and their builders (``import_path`` targets).
+
+    specpool.services.serve_app:build_target_app    the target's verification (deployment "Target")
+    specpool.services.serve_app:build_drafter_app   one drafter of the pool (deployment "Drafter")
+    specpool.services.serve_app:build_router_app    the gRPC ingress, specpool.v1.SpecPool (deployment "Router")
+
+A Serve config (KubeRay's serveConfigV2, or `specpool serve --config FILE`) runs one target
+application, one application per drafter and one router application; each builder validates its
+``args`` (``specpool/services/serve_config.py``) before anything loads.
+
+How the pieces talk (see also ``specpool/services/remote.py``):
+
+- **Client -> router**: Serve's gRPC proxy, with ``specpool_pb2_grpc.add_SpecPoolServicer_to_server``
+  (and the gRPC health service) in ``grpc_options.grpc_servicer_functions``. The router is the only
+  application with a route_prefix, so the proxy needs no ``application`` metadata. The proxy also
+  serves gRPC server reflection (Serve's ``enable_reflection``, on by default); health checks
+  (``grpc.health.v1.Health/Check``) reach ``RouterServer.Check``.
+- **Router -> target and drafters: gRPC through deployment handles.** The deployments' methods
+  are the internal services of ``protos/specpool/v1`` (``Verify``/``Release``, ``Propose``/
+  ``Release``) taking and returning those protobuf messages, and the router calls them with
+  ``_by_reference=False``, which Ray Serve 2.60 carries over gRPC to each replica's
+  inter-deployment gRPC server. Why this and not a gRPC server of our own inside each replica:
+  Serve keeps doing what we need from it, replica discovery, health, autoscaling, request routing
+  with session affinity and ``@serve.batch``, while the messages are the versioned protos; a
+  private gRPC port per replica would need its own discovery and load balancing and would bypass
+  batching and affinity. (``transport: actor`` in the router args switches to Ray actor calls.)
+- **Same-node direct routes** (``specpool/services/direct.py``): each model replica also answers on a
+  loopback gRPC endpoint, opened on first use, whose address and token ride on every response.
+  After a session's first call through Serve, the router sends that session's later calls there
+  when the replica is on its node: the same methods on the same event loop (so batching and the
+  model thread are shared), without Serve's per-call routing and wrappers. A route that stops
+  answering sends the session back through Serve. ``direct_calls: false`` in the router args
+  turns this off.
+- **Session affinity**: the target and drafter deployments use Serve's consistent-hash request
+  router keyed by the session id the router puts on every call, so all rounds of a session reach
+  the replica holding its KV cache. (Model multiplexing with the session id as model id was the
+  other candidate: ``@serve.batch`` splits batches by multiplexed model id, which would defeat
+  batching across sessions.) When the replica dies, the ring maps the session to a live replica,
+  which re-prefills from the full context every call carries: correct, one prefill slower.
+- **Batching**: the target's ``Verify`` calls from concurrent sessions meet in a ``@serve.batch``
+  handler and run as one ``TargetVerifier.verify_batch`` forward.
+- **Deadlines and cancellation**: a client's deadline or cancel makes the gRPC proxy cancel the
+  router's request; the router then stops its loop before the next round and releases the
+  session's KV caches in the target and every drafter it used (``RouterCore.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from specpool.core.errors import NotFound
+from specpool.services import convert
+from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
+from specpool.services.direct import DirectEndpoint, DirectRoutes
+from specpool.v1 import common_pb2, drafter_pb2, specpool_pb2, target_pb2
+from specpool.services.serve_config import REPLICA_SWITCH_INTERVAL_S, DrafterArgs, RouterArgs, TargetArgs
+from specpool.services.status import grpc_status
+
+logger = logging.getLogger("ray.serve")
+
+# Serve's consistent-hash request router: the session id of a call picks the replica.
+SESSION_AFFINITY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+SPECPOOL_SERVICE = "specpool.v1.SpecPool"
+
+
+def _session_affinity() -> RequestRouterConfig:
+    # Up to 2 fallback replicas when the session's replica is at max_ongoing_requests.
+    return RequestRouterConfig(request_router_class=SESSION_AFFINITY_ROUTER,
+                               request_router_kwargs={"num_fallback_replicas": 2})
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _quick_thread_switches() -> None:
+    """Hand the GIL between this replica's threads within REPLICA_SWITCH_INTERVAL_S.
+
+    A model forward is hundreds of short ops, and the model thread takes the GIL back after each.
+    When Serve's event-loop thread holds it at that moment, CPython makes the model thread wait up
+    to the switch interval (5 ms by default) before asking for it back. Measured on 2 cores with
+    `specpool bench-served` (6 prompts, paired with embedded): the target's verify forward took
+    152 ms served against 131 ms embedded at 5 ms, 138 ms at 0.5 ms and 137 ms at 0.1 ms (the
+    same machine, noisier later, also gave 146 against 124 at 0.5 ms).
+    """
+    sys.setswitchinterval(REPLICA_SWITCH_INTERVAL_S)
+
+
+def _home():
+    from specpool.services.config import settings_from_env
+
+    return settings_from_env().home
+
+
+def _replica() -> dict:
+    """Which replica answered: its Ray actor name (namespace "serve") and replica id (tests)."""
+    import ray
+
+    return {"actor_name": ray.get_runtime_context().get_actor_name(),
+            "replica_id": serve.get_replica_context().replica_id.unique_id}
+
+
+async def _offer_route(endpoint: DirectEndpoint, response) -> None:
+    """Put this replica's same-node route on a response (specpool/services/direct.py)."""
+    route = await endpoint.route()
+    if route is not None:
+        response.direct.CopyFrom(route)
+
+
+# -- the target ----------------------------------------------------------------------------------------
+@serve.deployment(name="Target")
+class TargetServer:
+    """``specpool.v1.Target``: verification of concurrent sessions' rounds, batched."""
+
+    def __init__(self, args: TargetArgs):
+        from specpool.target.models import ModelConfig, load_causal_lm, stop_token_ids
+        from specpool.target.verifier import TargetVerifier
+
+        _set_threads(args.threads)
+        _quick_thread_switches()
+        self.args = args
+        model, tokenizer = load_causal_lm(ModelConfig(args.model, args.device, args.dtype), _home())
+        self.verifier = TargetVerifier(model, tokenizer, args.cache_capacity)
+        self.info = {
+            "model": args.model,
+            "stop_token_ids": list(stop_token_ids(model, tokenizer)),
+            "context_window": self.verifier.context_window,
+            "tokenizer_fingerprint": self.verifier.tokenizer_fingerprint,
+        }
+        # Every model operation runs on this one thread: batches never overlap, and Release never
+        # races a forward over the same cache.
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+        self._live: set[str] = set()  # sessions verified and not released since (LRU may drop more)
+        self._batch_sizes: Counter[int] = Counter()
+        self._model_free = asyncio.Event()  # no verify forward running: calls may join the batch queue
+        self._model_free.set()
+        self._expected: set[str] = set()  # sessions of the last batch: the next one waits for their calls
+        self._queued: set[str] = set()  # sessions with a call in the batch queue
+        self._verify_batch.set_max_batch_size(1)
+        self._verify_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
+        self._direct = DirectEndpoint("target", {"Verify": self.Verify, "Release": self.Release})
+
+    async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        """Batching (``@serve.batch`` below) of calls that do not arrive in step.
+
+        Each session sends its next call a little after its previous result (the router's own
+        work in between), so sessions drift out of phase; and Serve seals the next batch while the
+        current one runs. Left alone, two sessions alternate forever in batches of one. So: (1)
+        calls join the batch queue only while no forward is running (they wait at a gate), and (2)
+        a batch waits, up to batch_wait_timeout_s, for a call from every session of the previous
+        batch and fires the moment they are all in. Sessions then stay in step; a session that
+        finished costs the others one timeout, once; a lone session never waits.
+        """
+        verify_request = convert.verify_request_from_proto(request)
+        session = verify_request.session_id
+        await self._model_free.wait()
+        self._queued.add(session)
+        wanted = len(self._expected | self._queued)
+        self._verify_batch.set_max_batch_size(max(1, min(self.args.max_batch_size, wanted)))
+        try:
+            result = await self._verify_batch(verify_request)
+        finally:
+            self._queued.discard(session)
+        if isinstance(result, BaseException):
+            raise result
+        response = convert.verify_result_to_proto(result)
+        await _offer_route(self._direct, response)
+        return response
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
+    async def _verify_batch(self, requests: list) -> list:
+        self._model_free.clear()
+        self._expected = {r.session_id for r in requests}
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._model_thread, self._run_batch, requests)
+        finally:
+            self._model_free.set()
+
+    def _run_batch(self, requests: list) -> list:
+        from specpool.core.errors import SpecpoolError
+
+        self._batch_sizes[len(requests)] += 1
+        self._live.update(r.session_id for r in requests)
+        verify_batch = getattr(self.verifier, "verify_batch", None)
+        if verify_batch is not None:
+            return list(verify_batch(requests))
+        results: list = []
+        for request in requests:  # until TargetVerifier.verify_batch exists: one forward each
+            try:
+                results.append(self.verifier.verify(request))
+            except SpecpoolError as exc:
+                results.append(exc)
+        return results
+
+    async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
+        self._expected.discard(request.session_id)  # no more rounds to wait for
+        loop = asyncio.get_running_loop()
+        return common_pb2.ReleaseResponse(released=await loop.run_in_executor(self._model_thread, self._release, request.session_id))
+
+    def _release(self, session_id: str) -> bool:
+        held = session_id in self._live or session_id in self._cached_sessions()
+        self.verifier.release(session_id)
+        self._live.discard(session_id)
+        return held
+
+    def _cached_sessions(self) -> set[str]:
+        # SessionCaches keeps its caches in an OrderedDict keyed by session; read-only peek.
+        return set(getattr(self.verifier.caches, "_caches", {}))
+
+    async def Info(self) -> dict:
+        return dict(self.info)
+
+    async def Sessions(self) -> list[str]:
+        """Sessions whose KV cache this replica holds."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._model_thread, lambda: sorted(self._cached_sessions()))
+
+    async def Stats(self) -> dict:
+        """Batches run by size: {size: count}; calls that came over the direct route."""
+        return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls}
+
+    async def Replica(self) -> dict:
+        return _replica()
+
+
+def build_target_app(args: dict | None = None):
+    parsed = TargetArgs.parse(args)
+    return TargetServer.options(
+        num_replicas=parsed.num_replicas, ray_actor_options=parsed.ray_actor_options,
+        max_ongoing_requests=parsed.ongoing, request_router_config=_session_affinity(),
+    ).bind(parsed)
+
+
+# -- a drafter --------------------------------------------------------------------------------------------
+@serve.deployment(name="Drafter")
+class DrafterServer:
+    """``specpool.v1.Drafter``: one drafter proposing tokens and the q they were sampled from."""
+
+    def __init__(self, args: DrafterArgs):
+        from specpool.drafters.registry import DrafterContext, create_drafter
+
+        _set_threads(args.threads)
+        _quick_thread_switches()
+        self.args = args
+        self.drafter = create_drafter(args.name, DrafterContext(_home(), args.target, args.device, args.dtype))
+        self.variants = None  # learned versions per tenant (online learning), when a model store is set
+        if args.model_store is not None:
+            from specpool.learning.hot_swap import ServedVariants, learnable
+            from specpool.learning.model_store import open_model_store
+
+            if learnable(self.drafter):
+                self.variants = ServedVariants(self.drafter, open_model_store(args.model_store), args.learn_shared, args.refresh_s)
+            else:
+                logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        self._live: set[str] = set()
+        self._replays = 0  # Replay calls answered (side observations for ucb-replay)
+        self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release, "Replay": self.Replay})
+
+    def _hosted(self, args):
+        """``args`` if they name this server's drafter (or none); NotFound otherwise."""
+        if args.drafter and args.drafter != self.args.name:
+            raise NotFound(f"this server hosts drafter {self.args.name!r}, not {args.drafter!r}")
+        return args
+
+    def _pick(self, args):
+        """(version, drafter) for a call of this request: its pinned version, or the tenant's
+        serving one (online learning); the shipped weights (version 0) otherwise."""
+        if self.variants is None:
+            return 0, self.drafter
+        return self.variants.pick(args.tenant, args.weight_version or 0, args.weight_version is not None)
+
+    async def Propose(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+        args = self._hosted(convert.propose_request_from_proto(request))
+        loop = asyncio.get_running_loop()
+        proposal, version = await loop.run_in_executor(self._model_thread, self._propose, args)
+        response = convert.proposal_to_proto(proposal, version)
+        await _offer_route(self._direct, response)
+        return response
+
+    def _propose(self, args):
+        self._live.add(args.session_id)
+        version, drafter = self._pick(args)
+        return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
+
+    async def Replay(self, request: drafter_pb2.ReplayRequest) -> drafter_pb2.ReplayResponse:
+        args = self._hosted(convert.replay_request_from_proto(request))
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        accepted = await loop.run_in_executor(self._model_thread, self._replay, args)
+        self._replays += 1
+        return convert.replay_to_proto(accepted, time.perf_counter() - started)
+
+    def _replay(self, args) -> int | None:
+        self._live.add(args.session_id)  # a replay warms the session's cache: Release frees it
+        replay = getattr(self._pick(args)[1], "replay", None)
+        return replay(args.session_id, args.context_ids, args.continuation, args.k, args.params) if replay is not None else None
+
+    async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
+        loop = asyncio.get_running_loop()
+        return common_pb2.ReleaseResponse(released=await loop.run_in_executor(self._model_thread, self._release, request.session_id))
+
+    def _release(self, session_id: str) -> bool:
+        held = session_id in self._live
+        if self.variants is not None:
+            self.variants.release(session_id)  # every version's caches (the shipped weights' too)
+        else:
+            self.drafter.release(session_id)
+        self._live.discard(session_id)
+        return held
+
+    async def Info(self) -> dict:
+        return {"name": self.args.name, "tokenizer_fingerprint": self.drafter.tokenizer_fingerprint}
+
+    async def Sessions(self) -> list[str]:
+        """Sessions this replica proposed for and has not released."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._model_thread, lambda: sorted(self._live))
+
+    async def Stats(self) -> dict:
+        """Calls that came over the direct route, and Replay calls answered."""
+        return {"direct_calls": self._direct.calls, "replays": self._replays}
+
+
+def build_drafter_app(args: dict | None = None):
+    parsed = DrafterArgs.parse(args)
+    return DrafterServer.options(
+        num_replicas=parsed.num_replicas, ray_actor_options=parsed.ray_actor_options,
+        max_ongoing_requests=parsed.max_ongoing_requests, request_router_config=_session_affinity(),
+    ).bind(parsed)
+
+
+# -- the router ------------------------------------------------------------------------------------------
+class _Failed(Exception):
+    """Ends a gRPC call whose status code and details are already set on the context."""
+
+
+_DONE = object()
+
+
+@serve.deployment(name="Router")
+class RouterServer:
+    """``specpool.v1.SpecPool`` (and grpc.health.v1.Health/Check): the speculative loop per request,
+    bandit state per session in Redis, the target and drafters called through their deployments."""
+
+    async def __init__(self, args: RouterArgs):
+        import ray
+        from transformers import AutoTokenizer
+
+        from specpool.router.session_store import RedisSessionStore
+        from specpool.services.metrics import RayMetrics
+        from specpool.services.remote import DeploymentCaller, RemoteDrafter, RemoteVerifier
+        from specpool.services.router_core import ModelInfo, RouterCore, RouterSettings
+        from specpool.target.models import check_same_tokenizer, resolve_model
+
+        _quick_thread_switches()  # request threads and Serve's loop hand over on every model call
+        self.args = args
+        self.store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
+        target = serve.get_deployment_handle("Target", app_name=args.target_app)
+        info = await target.options(method_name="Info").remote()
+        drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps}
+        node = ray.get_runtime_context().get_node_id()
+        self._direct: list[DirectRoutes] = []
+
+        def routes(service: str) -> DirectRoutes | None:
+            if not args.direct_calls:
+                return None
+            self._direct.append(DirectRoutes(service, node))
+            return self._direct[-1]
+
+        infos = await asyncio.gather(*(h.options(method_name="Info").remote() for h in drafter_handles.values()))
+        drafters = {}
+        for (name, handle), drafter_info in zip(drafter_handles.items(), infos):
+            if drafter_info["name"] != name:
+                raise NotFound(f"application {dict(args.drafter_apps)[name]!r} serves drafter {drafter_info['name']!r}, not {name!r}")
+            fingerprint = drafter_info["tokenizer_fingerprint"]
+            if fingerprint is not None:
+                check_same_tokenizer(info["tokenizer_fingerprint"], fingerprint, name)
+            drafters[name] = RemoteDrafter(name, DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s,
+                                                                  routes("drafter")), fingerprint)
+        loop = asyncio.get_running_loop()
+        source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
+        tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
+        self.core = RouterCore(
+            tokenizer,
+            ModelInfo(info["model"], tuple(info["stop_token_ids"]), info["context_window"], info["tokenizer_fingerprint"]),
+            drafters,
+            RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"))),
+            self.store,
+            RouterSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta,
+                           probe_rounds=args.probe_rounds),
+            RayMetrics(),
+            feedback=self._feedback_emitter(args),
+            feedback_top_k=args.feedback_top_k,
+            feedback_opt_out=frozenset(args.feedback_opt_out),
+        )
+        # One thread per request in flight: the loop blocks on model calls between rounds.
+        self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
+
+    @staticmethod
+    def _feedback_emitter(args: RouterArgs):
+        """Online learning: verification feedback to a Redis stream for `specpool learner`."""
+        if not args.feedback:
+            return None
+        from specpool.learning.feedback import FeedbackEmitter
+        from specpool.learning.feedback_redis import RedisFeedbackStream
+
+        return FeedbackEmitter(RedisFeedbackStream(args.redis_url, stream=args.feedback_stream))
+
+    async def Feedback(self) -> dict:
+        """Feedback records emitted, rounds skipped and emit errors of this replica (tests, ops)."""
+        emitter = self.core.feedback
+        if emitter is None:
+            return {"enabled": False}
+        return {"enabled": True, "emitted": emitter.emitted, "skipped": emitter.skipped, "errors": emitter.errors}
+
+    # -- errors: the one mapping --------------------------------------------------------------------
+    def _fail(self, exc: BaseException, grpc_context: Any) -> None:
+        code, message = grpc_status(exc)
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(message)
+        if code.name == "INTERNAL":
+            logger.error("request failed: %r", exc, exc_info=exc)
+        raise _Failed(f"{code.name}: {message}") from None
+
+    async def _prepare(self, request: specpool_pb2.GenerateRequest):
+        spec = spec_from_proto(request)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._rounds, self.core.prepare, spec)
+
+    # -- SpecPool -----------------------------------------------------------------------------------
+    async def Generate(self, request: specpool_pb2.GenerateRequest, grpc_context: Any = None) -> specpool_pb2.GenerateResponse:
+        try:
+            prepared = await self._prepare(request)
+            stop = threading.Event()
+            future = asyncio.get_running_loop().run_in_executor(self._rounds, self.core.run, prepared, None, stop.is_set)
+            try:
+                outcome = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                # Client cancel or deadline: the loop stops before its next round and frees the
+                # session's caches (RouterCore.run); wait for it so the work has really stopped.
+                stop.set()
+                await asyncio.wait([future])
+                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure leaves through the one mapping
+            self._fail(exc, grpc_context)
+        return specpool_pb2.GenerateResponse(
+            text=outcome.text, token_ids=outcome.token_ids, finish_reason=finish_reason_to_proto(outcome.finish_reason),
+            stats=stats_to_proto(outcome.stats), session_id=outcome.session_id,
+        )
+
+    async def GenerateStream(self, request: specpool_pb2.GenerateRequest,
+                             grpc_context: Any = None) -> AsyncIterator[specpool_pb2.GenerateStreamResponse]:
+        try:
+            prepared = await self._prepare(request)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, grpc_context)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+
+        def on_chunk(chunk) -> None:  # in the worker thread
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        future = loop.run_in_executor(self._rounds, self.core.run, prepared, on_chunk, stop.is_set)
+        future.add_done_callback(lambda _: queue.put_nowait(_DONE))  # after every chunk (FIFO)
+        session = prepared.session_id
+        try:
+            while (item := await queue.get()) is not _DONE:
+                yield specpool_pb2.GenerateStreamResponse(text=item.text, token_ids=item.token_ids, session_id=session)
+            try:
+                outcome = future.result()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc, grpc_context)
+            yield specpool_pb2.GenerateStreamResponse(
+                text=outcome.tail_text, finish_reason=finish_reason_to_proto(outcome.finish_reason),
+                stats=stats_to_proto(outcome.stats), session_id=session,
+            )
+        finally:
+            if not future.done():  # cancelled, deadline passed, or the consumer went away
+                stop.set()
+                await asyncio.wait([future])
+
+    # -- grpc.health.v1.Health ----------------------------------------------------------------------
+    async def Check(self, request, grpc_context: Any = None):
+        from grpc_health.v1 import health_pb2
+
+        if request.service not in ("", SPECPOOL_SERVICE):
+            self._fail(NotFound(f"unknown service {request.service!r}; this server has {SPECPOOL_SERVICE!r}"), grpc_context)
+        return health_pb2.HealthCheckResponse(status=await self._serving())
+
+    async def Watch(self, request, grpc_context: Any = None):
+        """The current status, once (Serve's proxy cannot keep a watch open without holding a
+        router slot; clients poll Check instead)."""
+        from grpc_health.v1 import health_pb2
+
+        if request.service not in ("", SPECPOOL_SERVICE):
+            self._fail(NotFound(f"unknown service {request.service!r}; this server has {SPECPOOL_SERVICE!r}"), grpc_context)
+        yield health_pb2.HealthCheckResponse(status=await self._serving())
+
+    async def _serving(self) -> int:
+        from grpc_health.v1 import health_pb2
+
+        loop = asyncio.get_running_loop()
+        try:  # the router's own dependency; the model servers are Serve's to watch
+            await loop.run_in_executor(self._rounds, self.store.read, self._probe_key())
+        except Exception:  # noqa: BLE001 - any failure means "not serving"
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
+
+    @staticmethod
+    def _probe_key():
+        from specpool.router.session_store import SessionKey
+
+        return SessionKey("health", "probe")
+
+    # -- introspection (deployment handles only; not on the gRPC API) ------------------------------
+    async def Direct(self) -> dict:
+        """Calls this replica made over same-node direct routes, and those that fell back to Serve."""
+        return {"calls": sum(r.calls for r in self._direct), "fallbacks": sum(r.fallbacks for r in self._direct)}
+
+    async def Active(self) -> list[tuple[str, str]]:
+        """(tenant, session) of the requests running on this replica."""
+        return self.core.active_sessions()
+
+    async def Replica(self) -> dict:
+        return _replica()
+
+
+def build_router_app(args: dict | None = None):
+    parsed = RouterArgs.parse(args)
+    return RouterServer.options(
+        num_replicas=parsed.num_replicas, ray_actor_options=parsed.ray_actor_options,
+        max_ongoing_requests=parsed.max_ongoing_requests,
+    ).bind(parsed)

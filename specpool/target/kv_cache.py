@@ -1,0 +1,276 @@
+"""Per-session KV caches with longest-common-prefix reuse and rollback.
+
+Context travels as full token ids (DESIGN.md); a model keeps the keys/values of the ids it saw
+last for a session and reuses the longest common prefix with the new input. A miss costs a
+re-prefill, never a wrong answer. Rolling back = cropping the cache to the accepted length, so
+rejected draft tokens leave no trace.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` in v5; accept both."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix. List slices compare in C, so the usual case (one
+    extends the other) costs one comparison and a mismatch a binary search of them."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class PrefixCache:
+    """The KV cache of one session on one model, and the token ids it holds."""
+
+    model: PreTrainedModel
+    cache: DynamicCache | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._kwarg = _cache_kwarg(self.model)
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` cached positions (rollback of rejected drafts)."""
+        extra = len(self.token_ids) - length
+        if extra > 0 and self.cache is not None:
+            self.cache.crop(-extra)  # negative = remove that many from the end (v4 and v5)
+        del self.token_ids[length:]
+
+    def reusable(self, input_ids: list[int], n_last: int) -> int:
+        """How many cached ids feeding ``input_ids`` would keep: the common prefix, at most all
+        but the last ``n_last`` ids (their logits are wanted, so they must be fed again)."""
+        if self.cache is None:
+            return 0
+        return max(0, min(common_prefix_length(self.token_ids, input_ids), len(input_ids) - n_last))
+
+    def reuse(self, input_ids: list[int], n_last: int) -> int:
+        """Prepare to feed ``input_ids``: keep ``reusable(input_ids, n_last)`` cached ids, drop the
+        rest. Returns how many are kept; the caller feeds ``input_ids[kept:]``. Afterwards the
+        cache is consistent (``token_ids`` describes its keys/values) even if the feed never
+        happens."""
+        keep = self.reusable(input_ids, n_last)
+        if keep == 0:
+            # Models with their own cache type (the zoo drafters) say how to make one.
+            new_cache = getattr(self.model, "new_cache", None)
+            self.cache = new_cache() if new_cache is not None else DynamicCache(config=self.model.config)
+            self.token_ids = []
+            return 0
+        self.truncate(keep)
+        return keep
+
+    @torch.inference_mode()
+    def logits(self, input_ids: list[int], n_last: int, pad_to: int = 0) -> torch.Tensor:
+        """Logits (n_last, V) for the last ``n_last`` positions of ``input_ids``.
+
+        Feeds only the part of ``input_ids`` past the cached common prefix; afterwards the cache
+        holds exactly ``input_ids``. ``pad_to``: feed at least that many positions, padding after
+        the real ones (see ``specpool.target.verifier.forward_width``). Causal attention keeps pads from
+        touching the real positions; their logits are dropped and their keys/values cropped.
+        """
+        keep = self.reuse(input_ids, n_last)
+        fed = input_ids[keep:]
+        pads = max(0, pad_to - len(fed))
+        new = torch.tensor([fed + fed[-1:] * pads], dtype=torch.long, device=self.model.device)  # (1, T + pads)
+        out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last + pads, **{self._kwarg: self.cache})
+        if pads:
+            self.cache.crop(-pads)  # negative = remove that many from the end (v4 and v5)
+        self.token_ids = list(input_ids)
+        return out.logits[0, -n_last - pads:out.logits.shape[1] - pads]  # (n_last, V)
+
+
+def supports_batched_logits(model: PreTrainedModel) -> bool:
+    """Whether ``batched_logits`` can serve ``model``: its caches must be plain ``DynamicCache``s of
+    full-attention ``DynamicLayer``s, one per layer (keys/values (1, H, S, D) that can be padded
+    and stacked). Sliding-window or hybrid layers, and models with their own cache type, cannot."""
+    if getattr(model, "new_cache", None) is not None:
+        return False
+    try:
+        probe = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - a config DynamicCache does not understand: not batchable
+        return False
+    return bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
+
+
+class _PaddedBatchLayer(DynamicLayer):
+    """One layer of the batch cache of ``batched_logits``.
+
+    A plain ``DynamicLayer`` would need the padded (B, H, L, D) cache built beforehand and then
+    concatenate the new keys to it: two full copies of every session's cache per forward. This
+    layer builds one (B, H, L + T, D) buffer when the model calls ``update`` (T, H, D come from
+    the new keys): each session's cached keys/values left-padded with zeros to L, the T new ones
+    written after them. One copy, as a single session's forward costs (its own concatenation).
+    """
+
+    def __init__(self, cached: list[tuple[torch.Tensor, torch.Tensor] | None], past: int):
+        super().__init__()
+        self.cached = cached  # per row: (keys, values) each (1, H, c_i, D), or None when c_i = 0
+        self.past = past  # L
+
+    def get_seq_length(self) -> int:
+        # Asked before the forward, to size the attention mask: the padded cached length L.
+        return self.past if not self.is_initialized else int(self.keys.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_initialized:
+            raise RuntimeError("a batched_logits cache serves exactly one forward")
+        self.lazy_initialization(key_states, value_states)
+        batch, heads, width, dim = key_states.shape  # (B, H, T, D)
+        past = self.past
+        # Zeros, not empty memory: a masked pad still enters the attention matmul, and garbage
+        # such as inf or NaN would survive a zero weight (0 * NaN = NaN).
+        keys = key_states.new_zeros(batch, heads, past + width, dim)  # (B, H, L + T, D)
+        values = value_states.new_zeros(batch, value_states.shape[1], past + width, value_states.shape[3])  # (B, H, L + T, D)
+        for i, kv in enumerate(self.cached):
+            if kv is not None:
+                k_i, v_i = kv  # (1, H, c_i, D)
+                keys[i, :, past - k_i.shape[-2] : past] = k_i[0]
+                values[i, :, past - v_i.shape[-2] : past] = v_i[0]
+        keys[:, :, past:] = key_states
+        values[:, :, past:] = value_states
+        self.keys, self.values = keys, values
+        self.cached = []  # the sessions' own tensors are no longer needed here
+        return keys, values
+
+
+def _layer_kv(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = cache.layers[layer_idx]
+    return layer.keys, layer.values  # (1, H, S, D) each
+
+
+def _set_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys``/``values`` (1, H, S, D) the whole content of one layer of ``cache``."""
+    layer = cache.layers[layer_idx]
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+# Below this share of real (not padding) entries in the batch buffer, sessions get copies of
+# their rows instead of views into it: a view keeps the whole buffer alive as long as any
+# session still holds one, and a batch of one long and many short contexts is mostly padding.
+MIN_VIEW_FILL = 0.5
+
+
+@torch.inference_mode()
+def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n_lasts: Sequence[int]) -> list[torch.Tensor]:
+    """``[caches[i].logits(inputs[i], n_lasts[i]) for i]`` in ONE forward pass of the model.
+
+    Why: on a shared target, B sessions each verifying k+1 positions cost B forwards of k+1
+    tokens; one forward of B x (k+1) tokens reads the weights once (the dominant cost of a small
+    batch on CPU and GPU alike). Each session keeps its own cache; it only joins the batch for
+    this forward.
+
+    Layout of the batch (row i = session i; c_i cached ids reused, n_i new ids fed; L = max c_i,
+    T = max n_i):
+
+        keys/values  [ pad ... | c_i cached ]  [ n_i new | pad ... ]
+                     <-------- L ---------->  <-------- T -------->
+
+    The cached keys/values are left-padded with zeros to L, the new ids right-padded to T; a 2-D
+    attention mask hides every pad, and explicit ``position_ids`` give each real id its true
+    position (c_i + j), so RoPE and attention see exactly what the session's own forward would.
+    Right padding of the new ids means every query row, pads included, can attend to at least
+    its session's first new id: no fully masked row, hence no NaN that a zero attention weight
+    could still spread (0 * NaN = NaN) into real rows. Afterwards session i's row of the buffer,
+    without padding (columns L - c_i .. L + n_i), becomes its own cache, which then holds exactly
+    ``inputs[i]``. Results equal the per-session forward up to float round-off (a different
+    matmul shape sums in a different order), not bitwise.
+
+    All caches must belong to one model that ``supports_batched_logits`` and be distinct objects.
+    """
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("batched_logits needs distinct caches (one request per session per forward)")
+    model = caches[0].model
+    device = model.device
+    keeps = [cache.reuse(ids, n) for cache, ids, n in zip(caches, inputs, n_lasts)]
+    news = [ids[keep:] for ids, keep in zip(inputs, keeps)]
+    batch, width, past = len(caches), max(len(n) for n in news), max(keeps)
+
+    input_ids = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
+    position_ids = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros(batch, past + width, dtype=torch.long)  # (B, L + T)
+    for i, (new, keep) in enumerate(zip(news, keeps)):
+        n = len(new)
+        input_ids[i, :n] = torch.tensor(new)
+        input_ids[i, n:] = new[-1]  # any valid id: pads are masked out
+        position_ids[i, :n] = torch.arange(keep, keep + n)
+        position_ids[i, n:] = keep + n - 1  # a position the model knows (learned tables too)
+        attention_mask[i, past - keep : past] = 1
+        attention_mask[i, past : past + n] = 1
+
+    batch_cache = DynamicCache(config=model.config)
+    batch_cache.layers = [
+        _PaddedBatchLayer([_layer_kv(c.cache, layer_idx) if keep else None for c, keep in zip(caches, keeps)], past)
+        for layer_idx in range(len(batch_cache.layers))
+    ]
+
+    # Logits only where some session needs them: the union of each row's last n_last real
+    # positions (right padding puts them at n_i - n_last .. n_i - 1, different per row).
+    wanted = sorted({j for new, m in zip(news, n_lasts) for j in range(len(new) - m, len(new))})
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=True,
+        logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=device),  # (U,)
+        **{caches[0]._kwarg: batch_cache},
+    )
+    logits = out.logits  # (B, U, V)
+    column = {j: u for u, j in enumerate(wanted)}
+
+    real = sum(keep + len(new) for keep, new in zip(keeps, news))
+    views = real >= MIN_VIEW_FILL * batch * (past + width)
+    results = []
+    for i, (cache, ids, new, keep, m) in enumerate(zip(caches, inputs, news, keeps, n_lasts)):
+        n = len(new)
+        for layer_idx, layer in enumerate(batch_cache.layers):
+            keys = layer.keys[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
+            values = layer.values[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
+            _set_layer(cache.cache, layer_idx, keys if views else keys.clone(), values if views else values.clone())
+        cache.token_ids = list(ids)
+        results.append(logits[i, column[n - m] : column[n - 1] + 1])  # (n_last, V)
+    return results
+
+
+class SessionCaches:
+    """Prefix caches keyed by session id, least recently used evicted beyond ``capacity``."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int = 64):
+        self.model = model
+        self.capacity = capacity
+        self._caches: OrderedDict[str, PrefixCache] = OrderedDict()
+
+    def get(self, session_id: str) -> PrefixCache:
+        cache = self._caches.pop(session_id, None) or PrefixCache(self.model)
+        self._caches[session_id] = cache
+        while len(self._caches) > self.capacity:
+            self._caches.popitem(last=False)
+        return cache
+
+    def release(self, session_id: str) -> None:
+        self._caches.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self._caches)
