@@ -1,0 +1,21 @@
+"""Defaults and limits, each written once (docs/ARCHITECTURE.md, "Defaults and limits").
+
+Every layer takes these names: the CLI's argparse defaults, the served router's arguments, the
+embedded engine, the policies and the request checks. Changing a value here changes it in both
+modes and in the help texts. Standard library only.
+"""
+
+from __future__ import annotations
+
+# -- a request -------------------------------------------------------------------------------------
+DEFAULT_K = 5  # draft length per round: past ~5 a CPU verify costs more than the extra tokens win
+MAX_DRAFT_LENGTH = 32  # longest draft a request may ask for; well past where any drafter pays off
+DEFAULT_MAX_NEW_TOKENS = 128  # new tokens when a request does not say (or says 0 over gRPC)
+DEFAULT_TENANT = "default"  # the tenant of embedded requests and of served ones that name none
+MAX_STOP_STRINGS = 16  # stop strings one request may give
+MAX_STOP_CHARS = 256  # characters in one stop string
+
+# -- drafter choice --------------------------------------------------------------------------------
+DEFAULT_POLICY = "metasd-ucb"  # the served router's policy when a request names none
+DEFAULT_BETA = 0.2  # UCB exploration weight β; tuned on bench/bandit_sim.py (BD has variance ≤ α(1−α)/k)
+DEFAULT_PROBE_ROUNDS = 4  # ucb-replay: a session's first rounds in which every drafter is replayed
