@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from specpool.core.defaults import DEFAULT_POLICY, MAX_DRAFT_LENGTH
 from specpool.core.errors import InvalidArgument, SpecpoolError, check
 
 EXIT_SERVER = 1
@@ -36,7 +37,7 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
     serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
-    serve.add_argument("--policy", default=None, help="without --config: the default policy (default metasd-ucb)")
+    serve.add_argument("--policy", default=None, help=f"without --config: the default policy (default {DEFAULT_POLICY})")
     serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
     serve.add_argument("--print-config", action="store_true", help="print the Serve config that would run, and exit")
 
@@ -50,7 +51,7 @@ def add_served_commands(commands) -> None:
     gen.add_argument("--policy", default="", help="drafter-choice policy (default: the server's), e.g. metasd-ucb, fixed:code, thompson+warm")
     gen.add_argument("--session", default="", help="session to continue (default: a new one; its id is printed)")
     gen.add_argument("--tenant", default="", help="tenant the request is accounted to (default: default)")
-    gen.add_argument("-k", type=int, default=0, help="draft length 1..32 (default: the server's)")
+    gen.add_argument("-k", type=int, default=0, help=f"draft length 1..{MAX_DRAFT_LENGTH} (default: the server's)")
     gen.add_argument("--max-new-tokens", type=int, default=0, help="new tokens (default: the server's, 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=None)
@@ -95,7 +96,7 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
         check(len(set(pool)) == len(pool), f"--pool names a drafter twice: {args.pool}")
-        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or "metasd-ucb",
+        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or DEFAULT_POLICY,
                                       k=args.k if args.k is not None else 5)
         source = "the default config"
     if args.port is not None:
@@ -167,7 +168,7 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     check(_ADDRESS.match(args.address) is not None, f"--address must be HOST:PORT, got {args.address!r}")
     check(args.timeout is None or args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
     check(args.max_new_tokens >= 0, f"--max-new-tokens must be >= 0 (0 = the server's default), got {args.max_new_tokens}")
-    check(0 <= args.k <= 32, f"-k must be in 1..32 (0 = the server's default), got {args.k}")
+    check(0 <= args.k <= MAX_DRAFT_LENGTH, f"-k must be in 1..{MAX_DRAFT_LENGTH} (0 = the server's default), got {args.k}")
     check(args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}")
     fields = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, policy=args.policy, k=args.k,

@@ -7,6 +7,9 @@ modes and in the help texts. Standard library only.
 
 from __future__ import annotations
 
+# -- models ----------------------------------------------------------------------------------------
+DEFAULT_TARGET = "smollm2-135m-instruct"  # the embedded default target (specpool.target.models fetches it)
+
 # -- a request -------------------------------------------------------------------------------------
 DEFAULT_K = 5  # draft length per round: past ~5 a CPU verify costs more than the extra tokens win
 MAX_DRAFT_LENGTH = 32  # longest draft a request may ask for; well past where any drafter pays off

@@ -29,6 +29,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
+from specpool.core.defaults import DEFAULT_BETA, DEFAULT_PROBE_ROUNDS
 from specpool.core.errors import InvalidArgument, NotFound, check
 from specpool.router.loop import RoundRecord
 from specpool.router.session_store import ArmStats
@@ -161,7 +162,7 @@ class UCB(Policy):
     """UCB1 (Auer et al. 2002) as MetaSD-UCB uses it: every arm once, then
     a_t = argmax_i μ̂_i + β·sqrt(2 ln t / n_i)."""
 
-    beta: float = 0.2
+    beta: float = DEFAULT_BETA
 
     def select(self, state: dict, rng: random.Random) -> str:
         for arm in self.arms:
@@ -193,7 +194,7 @@ class ReplayUCB(UCB):
     "every arm once": arms replayed are no longer unexplored. Sampled requests get no replays
     (a sampled draft is not determined by the context) and run as plain UCB on BE."""
 
-    probe_rounds: int = 4
+    probe_rounds: int = DEFAULT_PROBE_ROUNDS
 
     def init_state(self, prior: ArmStats | None = None) -> dict:
         # Probe rounds are counted apart from t, which a warm start seeds with the prior's weight.
@@ -352,11 +353,11 @@ DEFAULT_K_CHOICES = (2, 3, 5, 8)
 class PolicyOptions:
     """Knobs shared by the policies (CLI flags / request fields)."""
 
-    beta: float = 0.2  # UCB exploration weight β; tuned on bench/bandit_sim.py (BD has variance ≤ α(1−α)/k)
+    beta: float = DEFAULT_BETA  # UCB exploration weight β (specpool.core.defaults says why this value)
     gamma_discount: float = 0.99  # ucb-discounted: per-round discount γ (evidence window ≈ 100 rounds)
     gamma_exp3: float = 0.1  # exp3: exploration mix γ
     k_choices: tuple[int, ...] = DEFAULT_K_CHOICES  # ucb-cost-k: draft lengths paired with each drafter
-    probe_rounds: int = 4  # ucb-replay: rounds at the start of a session in which every drafter is replayed
+    probe_rounds: int = DEFAULT_PROBE_ROUNDS  # ucb-replay: rounds at the start of a session in which every drafter is replayed
     warm: WarmStart = field(default_factory=WarmStart)
 
     def validate(self) -> None:

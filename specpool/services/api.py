@@ -12,18 +12,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specpool.core.defaults import MAX_DRAFT_LENGTH, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from specpool.core.errors import InvalidArgument, check
 from specpool.v1 import common_pb2, specpool_pb2
 
-MAX_DRAFT_LENGTH = 32  # = specpool.target.sampling.MAX_DRAFT_LENGTH (a unit test checks)
 FINISH_REASONS = {
     "stop": specpool_pb2.FINISH_REASON_STOP,
     "length": specpool_pb2.FINISH_REASON_LENGTH,
     "cancelled": specpool_pb2.FINISH_REASON_CANCELLED,
 }
 FINISH_NAMES = {value: name for name, value in FINISH_REASONS.items()}
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 
 
 def decimal_float(value: float) -> float:

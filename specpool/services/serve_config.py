@@ -16,16 +16,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_K, DEFAULT_TARGET, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY,
+                                     DEFAULT_PROBE_ROUNDS, MAX_DRAFT_LENGTH)
 from specpool.core.errors import InvalidArgument, NotFound
 from specpool.router.session_store import TENANT_PATTERN
 
-DEFAULT_TARGET = "smollm2-135m-instruct"  # = specpool.target.models.DEFAULT_TARGET (a unit test checks)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_GRPC_HOST = "127.0.0.1"  # where `specpool serve` says to connect (Serve's proxy binds all interfaces)
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # Serve's HTTP proxy (health of the cluster); nothing of ours is on it
 DEFAULT_METRICS_PORT = 9464  # Prometheus text format at http://HOST:9464/metrics (Ray's metrics agent)
-MAX_K = 32  # = specpool.target.sampling.MAX_DRAFT_LENGTH
 GRPC_SERVICER_FUNCTIONS = (
     "specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server",
     # Serve's proxy routes grpc.health.v1.Health/Check to the router's `Check` method.
@@ -148,17 +148,17 @@ class RouterArgs:
 
     drafter_apps: tuple[tuple[str, str], ...]  # (drafter name, application serving it), in pool order
     redis_url: str = DEFAULT_REDIS_URL  # session and tenant bandit state
-    policy: str = "metasd-ucb"  # default policy; a request may name another ("fixed:code", "thompson+warm")
-    k: int = 5  # default draft length; a request may ask for 1..32
+    policy: str = DEFAULT_POLICY  # a request may name another ("fixed:code", "thompson+warm")
+    k: int = DEFAULT_K  # default draft length; a request may ask for 1..MAX_DRAFT_LENGTH
     target_app: str = "target"  # the application serving the target's verification
     num_replicas: int = 1
     ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 1, "num_gpus": 0})
     max_ongoing_requests: int = 64  # concurrent requests per router replica (each runs its loop in a thread)
     redis_namespace: str = "specpool"  # key prefix: {namespace}:{tenant}:session:{id}
     session_ttl_s: float = 3600.0  # a session's bandit state expires this long after its last round
-    beta: float = 0.2  # UCB exploration weight of the bandit policies
-    probe_rounds: int = 4  # ucb-replay: a session's first rounds in which every drafter is replayed
-    max_new_tokens: int = 128  # when a request leaves max_new_tokens at 0 (the embedded engine's default)
+    beta: float = DEFAULT_BETA  # UCB exploration weight of the bandit policies
+    probe_rounds: int = DEFAULT_PROBE_ROUNDS  # ucb-replay: a session's first rounds in which every drafter is replayed
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # when a request leaves max_new_tokens at 0
     retry_s: float = 60.0  # how long a round retries a model server that is unavailable (replica replaced)
     transport: str = "grpc"  # "grpc": calls to the target and drafters travel over Serve's replica gRPC; "actor": Ray actor calls
     # After a session's first call through Serve, call the replica holding its caches directly when
@@ -202,7 +202,7 @@ class RouterArgs:
         if "policy" in args:
             out["policy"] = _str(where, "policy", args["policy"])
         if "k" in args:
-            out["k"] = _int(where, "k", args["k"], 1, MAX_K)
+            out["k"] = _int(where, "k", args["k"], 1, MAX_DRAFT_LENGTH)
         if "target_app" in args:
             target_app = _str(where, "target_app", args["target_app"])
             if not _APP_NAME.match(target_app):
@@ -389,8 +389,8 @@ def default_serve_config(
     redis_url: str = DEFAULT_REDIS_URL,
     grpc_port: int = DEFAULT_GRPC_PORT,
     http_port: int = DEFAULT_HTTP_PORT,
-    policy: str = "metasd-ucb",
-    k: int = 5,
+    policy: str = DEFAULT_POLICY,
+    k: int = DEFAULT_K,
     cores: int | None = None,
 ) -> dict:
     """The Serve config `specpool serve` runs without --config: the target and one application per

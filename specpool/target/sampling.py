@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.core.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_DRAFT_LENGTH
 from specpool.core.errors import check
 
-# Largest draft length a request may ask for. Longer drafts waste the verify pass on CPUs and
-# GPUs alike; 32 is well past where any published drafter stops paying off.
-MAX_DRAFT_LENGTH = 32
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with mass >= top_p
     top_k: int = 0  # keep only the k most likely tokens; 0 = no limit
     seed: int = 0  # per-request seed: same seed, same output
-    max_new_tokens: int = 128  # exactly this many tokens unless a stop token comes first
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # exactly this many tokens unless a stop token comes first
     stop_token_ids: tuple[int, ...] = field(default=())  # generation ends after emitting one of these
 
     @property

@@ -26,17 +26,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- builder args ---------------------------------------------------------------------------------------------
-def test_defaults_agree_with_the_rest_of_the_code():
-    from specpool.target.models import DEFAULT_TARGET
-    from specpool.target.sampling import MAX_DRAFT_LENGTH
-
-    assert serve_config.DEFAULT_TARGET == DEFAULT_TARGET
-    assert serve_config.MAX_K == api.MAX_DRAFT_LENGTH == MAX_DRAFT_LENGTH
+def test_served_and_embedded_take_the_one_set_of_defaults():
+    """Defaults are written once (specpool/core/defaults.py); the served router's args, the policies and
+    the CLI read them instead of repeating the numbers."""
+    from specpool.cli.main import build_parser
+    from specpool.core import defaults
     from specpool.router.policies import PolicyOptions
-    from specpool.services.router_core import RouterSettings
 
-    for knob in ("beta", "probe_rounds"):  # the served router's policy knobs default as the embedded engine's
-        assert RouterArgs.__dataclass_fields__[knob].default == getattr(RouterSettings(), knob) == getattr(PolicyOptions(), knob)
+    router = RouterArgs.parse({"drafter_apps": {"code": "d"}})
+    assert (router.policy, router.k, router.beta, router.probe_rounds, router.max_new_tokens) == (
+        defaults.DEFAULT_POLICY, defaults.DEFAULT_K, defaults.DEFAULT_BETA, defaults.DEFAULT_PROBE_ROUNDS,
+        defaults.DEFAULT_MAX_NEW_TOKENS)
+    assert (PolicyOptions().beta, PolicyOptions().probe_rounds) == (defaults.DEFAULT_BETA, defaults.DEFAULT_PROBE_ROUNDS)
+    generate = build_parser().parse_args(["generate", "a prompt"])
+    assert (generate.k, generate.beta, generate.probe_rounds, generate.max_new_tokens, generate.tenant, generate.target) == (
+        defaults.DEFAULT_K, defaults.DEFAULT_BETA, defaults.DEFAULT_PROBE_ROUNDS, defaults.DEFAULT_MAX_NEW_TOKENS,
+        defaults.DEFAULT_TENANT, defaults.DEFAULT_TARGET)
+    assert SamplingParams().max_new_tokens == defaults.DEFAULT_MAX_NEW_TOKENS
 
 
 def test_router_args_parse_and_keep_the_pool_order():
