@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Sequence
 
+from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROBE_ROUNDS,
+                                     DEFAULT_TARGET, DEFAULT_TENANT, MAX_DRAFT_LENGTH)
 from specpool.core.errors import SpecpoolError
 
 EXIT_USAGE = 2
@@ -33,8 +35,6 @@ def _quiet_libraries() -> None:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     from specpool.target.cpu_linear import CPU_LINEAR_MODES
-    from specpool.target.models import DEFAULT_TARGET
-
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: embedded name, folder or hub id (default {DEFAULT_TARGET})")
     parser.add_argument("--device", default="cpu", help="device for the target and model drafters: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
@@ -54,15 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
                           "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, ucb-replay, random, fixed:NAME; append +warm for tenant warm start")
     gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default: ngram and every shipped zoo drafter)")
-    gen.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight β > 0 (default 0.2)")
-    gen.add_argument("--probe-rounds", type=int, default=4,
+    gen.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight β > 0 (default {DEFAULT_BETA})")
+    gen.add_argument("--probe-rounds", type=int, default=DEFAULT_PROBE_ROUNDS,
                      help="ucb-replay: rounds in which every drafter is replayed on the target's tokens (default 4)")
-    gen.add_argument("--tenant", default="default", help="tenant whose statistics a +warm policy starts from (default: default)")
+    gen.add_argument("--tenant", default=DEFAULT_TENANT, help=f"tenant whose statistics a +warm policy starts from (default: {DEFAULT_TENANT})")
     gen.add_argument("--session", default=None, help="session id: bandit state carries over between requests of one session")
     gen.add_argument("--store", default="memory", help="bandit state store: memory (default) or redis://HOST:PORT/DB")
     gen.add_argument("--trace", action="store_true", help="print one line per round to stderr: drafter, k, accepted, BD")
-    gen.add_argument("-k", type=int, default=5, help="draft length per round (1..32, default 5)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length per round (1..{MAX_DRAFT_LENGTH}, default {DEFAULT_K})")
+    gen.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
