@@ -1,5 +1,10 @@
 """Drafter kinds by name. A drafter spec is ``KIND`` or ``KIND:ARGUMENT`` (``ngram``,
-``hf:/path/to/model``); kinds register themselves with ``@register_drafter``."""
+``hf:/path/to/model``); kinds register themselves with ``@register_drafter``.
+
+This module only holds the table: it imports no drafter kind. The built-in kinds register when
+``specpool.drafters`` is imported (its ``__init__`` imports them), which Python does before any
+``specpool.drafters.*`` module, so the table is full whenever this module is usable and the
+kinds can import it without a cycle (docs/ARCHITECTURE.md, layers)."""
 
 from __future__ import annotations
 
@@ -43,7 +48,6 @@ def register_name_resolver(resolver: NameResolver) -> NameResolver:
 
 def resolve_spec(spec: str) -> str:
     """The full ``KIND:ARGUMENT`` spec for ``spec`` (bare shipped names resolved)."""
-    _load_builtin_kinds()
     if spec.partition(":")[0] in _KINDS:
         return spec
     for resolver in _RESOLVERS:
@@ -70,7 +74,6 @@ def known_spec(spec: str) -> bool:
 
 
 def drafter_kinds() -> list[str]:
-    _load_builtin_kinds()
     return sorted(_KINDS)
 
 
@@ -82,11 +85,3 @@ def create_drafter(spec: str, context: DrafterContext) -> Drafter:
         raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_KINDS))} (hf:PATH_OR_HUB_ID for a model)")
     return factory(spec, argument, context)
 
-
-def _load_builtin_kinds() -> None:
-    # Imported here, not at the top, so that ``specpool.drafters.registry`` stays importable without torch
-    # models loaded; each module registers its kinds on import.
-    import specpool.drafters.hf_model  # noqa: F401
-    import specpool.drafters.lookup_first  # noqa: F401
-    import specpool.drafters.ngram  # noqa: F401
-    import specpool.drafters.zoo  # noqa: F401
