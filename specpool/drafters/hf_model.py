@@ -1,7 +1,7 @@
 """A Hugging Face causal LM as drafter, with its own prefix-reusing KV cache per session.
 
 It samples each draft token from its own top-K truncated, renormalised distribution and returns
-exactly that sparse q, so verification stays exact (DESIGN.md, "Lossless by construction").
+exactly that sparse q, so verification stays exact (docs/ARCHITECTURE.md, "Lossless by construction").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Protobuf <-> dataclass conversion for the internal services (Target.Verify, Drafter.Propose):
-protobuf types stop here (DESIGN.md, "Layout"); ``specpool/services/api.py`` does the public SpecPool API.
+protobuf types stop here (docs/ARCHITECTURE.md, "Layout"); ``specpool/services/api.py`` does the public SpecPool API.
 
 The router's loop, the verifier and the drafters pass dataclasses (``VerifyRequest``,
 ``Proposal``, ``SparseDist``, ``SamplingParams``); the messages of ``protos/specpool/v1`` exist

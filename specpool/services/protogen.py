@@ -1,4 +1,4 @@
-"""Regenerate the Python code for the protos (DESIGN.md, convention 6).
+"""Regenerate the Python code for the protos (docs/ARCHITECTURE.md, convention 6).
 
     python -m specpool.services.protogen            # rewrite specpool/v1/ from protos/
     python -m specpool.services.protogen --check    # exit 1, naming the stale files, if specpool/v1/ is out of date

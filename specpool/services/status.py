@@ -1,4 +1,4 @@
-"""The ONE mapping from errors to gRPC status codes (DESIGN.md, convention 5).
+"""The ONE mapping from errors to gRPC status codes (docs/ARCHITECTURE.md, convention 5).
 
 Every served entry point (the router's SpecPool methods, its health check) sends failures through
 ``grpc_status``: a domain error (``specpool.core.errors.SpecpoolError``) carries its status name in

@@ -1,6 +1,6 @@
 """Per-session KV caches with longest-common-prefix reuse and rollback.
 
-Context travels as full token ids (DESIGN.md); a model keeps the keys/values of the ids it saw
+Context travels as full token ids (docs/ARCHITECTURE.md); a model keeps the keys/values of the ids it saw
 last for a session and reuses the longest common prefix with the new input. A miss costs a
 re-prefill, never a wrong answer. Rolling back = cropping the cache to the accepted length, so
 rejected draft tokens leave no trace.

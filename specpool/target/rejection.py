@@ -23,7 +23,7 @@ class SparseDist:
     """A distribution given by its support: ``probs[j]`` is the mass of ``token_ids[j]``.
 
     Drafters sample from a top-K truncated, renormalised distribution and send exactly that, so
-    the sparse q is the true proposal (DESIGN.md). Mass outside ``token_ids`` is zero.
+    the sparse q is the true proposal (docs/ARCHITECTURE.md). Mass outside ``token_ids`` is zero.
     """
 
     token_ids: torch.Tensor  # (K,) int64
