@@ -31,8 +31,9 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from specpool.core.errors import SpecpoolError
-from specpool.v1 import common_pb2, drafter_pb2_grpc, target_pb2_grpc
+from specpool.services.client import error_from_rpc
 from specpool.services.status import grpc_status
+from specpool.v1 import common_pb2, drafter_pb2_grpc, target_pb2_grpc
 
 TOKEN_METADATA = "x-specpool-direct-token"
 LOOPBACK = "127.0.0.1"
@@ -40,7 +41,7 @@ MAX_ROUTES = 4096  # sessions remembered per caller; the least recently used are
 
 
 def _node_id() -> str:
-    import ray
+    import ray  # here: only a replica or router inside Ray asks, and importing Ray takes seconds
 
     return ray.get_runtime_context().get_node_id()
 
@@ -200,6 +201,4 @@ class DirectRoutes:
 
 
 def _domain_error(exc: grpc.RpcError) -> SpecpoolError:
-    from specpool.services.client import error_from_rpc
-
     return error_from_rpc(exc, "a model replica")

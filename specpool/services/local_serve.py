@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from specpool.core.errors import InvalidArgument, ModelUnavailable
+from specpool.core.errors import InvalidArgument, ModelUnavailable, StoreUnavailable
+from specpool.router.session_store import RedisSessionStore, redact_url
 from specpool.services.serve_config import DEFAULT_GRPC_HOST, DEFAULT_METRICS_PORT, SERVE_ENV, RouterArgs, ServePlan
 
 # Ray's processes that serve no request, by a fragment of their command line: the GCS, the
@@ -80,9 +81,6 @@ def check_port_free(port: int, what: str) -> None:
 
 def check_redis(url: str, namespace: str = "specpool") -> None:
     """Unreachable Redis is a clear error before Ray starts (StoreUnavailable)."""
-    from specpool.core.errors import StoreUnavailable
-    from specpool.router.session_store import RedisSessionStore, redact_url
-
     try:
         RedisSessionStore(url, namespace=namespace).close()
     except StoreUnavailable as exc:

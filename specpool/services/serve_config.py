@@ -256,6 +256,8 @@ class RouterArgs:
 
     def check_policy(self) -> None:
         """The default policy must exist and only choose among the served drafters."""
+        # Here, not at the top: this module stays torch-free for the CLI's argument parsing and
+        # Serve's config checks; the policies (and the drafter registry below) bring torch.
         from specpool.router.policies import PolicyOptions, make_policy, parse_arm
 
         policy = make_policy(self.policy, self.pool, PolicyOptions(beta=self.beta, probe_rounds=self.probe_rounds))
@@ -350,7 +352,7 @@ class DrafterArgs:
             raise InvalidArgument(f"{where}: name is required: the drafter spec, e.g. ngram or code")
         name = _str(where, "name", args["name"])
         where = f"drafter args ({name})"
-        from specpool.drafters.registry import drafter_kinds, known_spec
+        from specpool.drafters.registry import drafter_kinds, known_spec  # torch: see check_policy
 
         if not known_spec(name):
             raise NotFound(f"{where}: unknown drafter {name!r}; known kinds: {', '.join(drafter_kinds())} or a shipped zoo name")
