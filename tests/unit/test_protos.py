@@ -4,6 +4,7 @@ round-tripping, and following the proto style rules (enums start at *_UNSPECIFIE
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import pickle
 import shutil
@@ -93,7 +94,15 @@ def test_cli_check_exit_status(tmp_path: Path, monkeypatch, capsys, rendered):
 # -- importable, services present -------------------------------------------------------------------
 @pytest.mark.parametrize("module", MODULES)
 def test_generated_module_imports(module: str):
-    importlib.import_module(module)
+    """Each generated module imports under the proto package's name and is the one for its proto
+    (the _pb2_grpc modules check the installed grpcio against the one that generated them on import)."""
+    imported = importlib.import_module(module)
+    proto = module.removeprefix("specpool.v1.").removesuffix("_grpc").removesuffix("_pb2")
+    if module.endswith("_pb2"):
+        assert (imported.DESCRIPTOR.name, imported.DESCRIPTOR.package) == (f"specpool/v1/{proto}.proto", "specpool.v1")
+    else:
+        assert imported.GRPC_GENERATED_VERSION == importlib.metadata.version("grpcio-tools")
+        assert not imported._version_not_supported  # the installed grpcio is new enough for it
 
 
 def test_services_and_their_methods():
@@ -164,7 +173,7 @@ def test_generate_request_and_response_round_trip():
 
 
 def test_verify_request_and_response_round_trip():
-    np = pytest.importorskip("numpy")
+    import numpy as np  # a runtime dependency
     common, target = _pb2("common"), _pb2("target")
     probs = np.array([0.6, 0.3, 0.1], dtype=np.float32) / np.float32(1.0000001)  # not short decimals
     request = target.VerifyRequest(

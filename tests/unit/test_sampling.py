@@ -63,6 +63,10 @@ def test_validate_rejects(params, window, prompt, message):
 )
 def test_validate_accepts(params, window, prompt):
     params.validate(window, prompt)
+    # What acceptance promises: the parameters define a distribution p over the vocabulary.
+    probs = logits_to_probs(torch.tensor([[0.3, 2.0, -1.0, 0.5], [1.0, 1.0, 1.0, 1.0]]), params)  # (2, V)
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(2))
+    assert bool((probs >= 0).all()) and probs[0].argmax().item() == 1  # the likeliest token stays the likeliest
 
 
 def test_greedy_property():

@@ -97,9 +97,14 @@ def test_bad_session_ids_are_rejected(session) -> None:
         SessionKey("t1", session)
 
 
-def test_longest_and_punctuated_ids_are_accepted() -> None:
-    SessionKey("a" * 64, "s" * 128)
-    SessionKey("acme-corp.eu_1", "conv:2024-01-01:abc_def.1")
+@pytest.mark.parametrize("tenant, session", [("a" * 64, "s" * 128), ("acme-corp.eu_1", "conv:2024-01-01:abc_def.1")])
+def test_longest_and_punctuated_ids_are_accepted(tenant, session) -> None:
+    key = SessionKey(tenant, session)
+    assert (key.tenant, key.session) == (tenant, session)  # kept verbatim, not normalised
+    store = InMemorySessionStore()
+    put(store, session, value=7, tenant=tenant)
+    state, _ = store.read(key)
+    assert state == {"v": 7}
 
 
 def test_tenant_key_pattern() -> None:
