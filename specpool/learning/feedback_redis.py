@@ -15,7 +15,7 @@ from typing import Sequence
 
 from specpool.learning.feedback import Delivery
 from specpool.core.errors import InvalidArgument, StoreUnavailable
-from specpool.router.session_store import _reason, redact_url  # one wording and one redaction for every Redis URL
+from specpool.router.session_store import redact_url, redis_error_reason  # one wording and one redaction for every Redis URL
 
 FIELD = b"r"  # the stream entry's one field: the encoded record
 
@@ -46,13 +46,13 @@ class RedisFeedbackStream:
         try:
             self._client.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.AuthenticationError as exc:  # before ConnectionError: it is a subclass
-            raise StoreUnavailable(f"Redis at {self.describe} rejected the credentials ({_reason(exc)}); "
+            raise StoreUnavailable(f"Redis at {self.describe} rejected the credentials ({redis_error_reason(exc)}); "
                                    "check the user and password in the URL") from None
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise StoreUnavailable(f"cannot create the feedback consumer group on {self.describe}: {exc}") from None
         except redis.RedisError as exc:
-            raise StoreUnavailable(f"feedback stream {self.describe} is unreachable ({_reason(exc)})") from None
+            raise StoreUnavailable(f"feedback stream {self.describe} is unreachable ({redis_error_reason(exc)})") from None
 
     @contextlib.contextmanager
     def _reachable(self, what: str):
@@ -60,7 +60,7 @@ class RedisFeedbackStream:
         try:
             yield
         except self._redis.RedisError as exc:
-            raise StoreUnavailable(f"lost the feedback stream {self.describe} while {what} ({_reason(exc)})") from None
+            raise StoreUnavailable(f"lost the feedback stream {self.describe} while {what} ({redis_error_reason(exc)})") from None
 
     def emit(self, payload: bytes) -> None:
         if time.monotonic() < self._down_until:

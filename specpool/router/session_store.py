@@ -217,7 +217,7 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _reason(exc: BaseException) -> str:
+def redis_error_reason(exc: BaseException) -> str:
     """The root cause in a few words: "Connection refused" rather than redis-py's full sentence."""
     cause = exc.__cause__ or exc.__context__
     if isinstance(cause, OSError) and cause.strerror:
@@ -284,13 +284,13 @@ class RedisSessionStore:
         except redis.AuthenticationError as exc:  # before ConnectionError: it is a subclass
             self.close()
             raise StoreUnavailable(
-                f"Redis at {self.describe} rejected the credentials ({_reason(exc)}); "
+                f"Redis at {self.describe} rejected the credentials ({redis_error_reason(exc)}); "
                 "check the user and password in the store URL"
             ) from None
         except redis.RedisError as exc:
             self.close()
             raise StoreUnavailable(
-                f"cannot reach Redis at {self.describe} ({_reason(exc)}); "
+                f"cannot reach Redis at {self.describe} ({redis_error_reason(exc)}); "
                 "start redis-server or use the in-memory store (--store memory)"
             ) from None
 
@@ -301,7 +301,7 @@ class RedisSessionStore:
         return f"{self.namespace}:{{{tenant}}}:arms"
 
     def _lost(self, exc: BaseException, what: str = "") -> StoreUnavailable:
-        return StoreUnavailable(f"lost the connection to Redis at {self.describe} ({_reason(exc)}){what}")
+        return StoreUnavailable(f"lost the connection to Redis at {self.describe} ({redis_error_reason(exc)}){what}")
 
     def read(self, key: SessionKey) -> tuple[dict | None, ArmStats]:
         try:
