@@ -1,4 +1,6 @@
-"""The ``Drafter`` protocol: propose k tokens and the distributions they were drawn from."""
+"""The ``Drafter`` protocol: propose k tokens and the distributions they were drawn from; and the
+optional capabilities a drafter may have, as protocols checked with ``isinstance``: ``Replayable``
+(side observations) and ``PerRequestVersions`` (online-learned weights pinned per request)."""
 
 from __future__ import annotations
 
@@ -80,6 +82,25 @@ class Replayable(Protocol):
         equal (the target's tokens past it are unknown); None where it cannot say (a wrapper
         around a drafter that cannot replay). Mutates nothing a later ``propose``
         depends on, beyond caching the context."""
+        ...
+
+
+@runtime_checkable
+class PerRequestVersions(Protocol):
+    """A drafter whose weights change between requests (online learning) and that pins one
+    weights version per request, so a request never mixes versions (``specpool/services/remote.py``:
+    the first round lets the server choose the tenant's serving version, later rounds ask for it).
+
+    The request orchestrator (``specpool/services/orchestrator.py``) brackets each request with
+    ``begin_request``/``end_request`` and stamps feedback with ``version_of``."""
+
+    def begin_request(self, session_id: str, tenant: str) -> None: ...
+
+    def end_request(self, session_id: str) -> None: ...
+
+    def version_of(self, session_id: str) -> int:
+        """The weights version the session's current request drafts with (0: shipped weights,
+        or none chosen yet)."""
         ...
 
 

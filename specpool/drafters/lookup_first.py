@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from specpool.drafters.base import CostMeter, Drafter, Proposal, leading_matches
+from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, leading_matches
 from specpool.drafters.ngram import NGramDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter, register_drafter
 from specpool.core.errors import InvalidArgument
@@ -53,8 +53,9 @@ class LookupFirstDrafter:
         copied = self.lookup.would_propose(session_id, context_ids, k)
         if copied:
             return leading_matches(copied, continuation)
-        inner = getattr(self.inner, "replay", None)
-        return inner(session_id, context_ids, continuation, k, params) if inner is not None else None
+        if not isinstance(self.inner, Replayable):
+            return None
+        return self.inner.replay(session_id, context_ids, continuation, k, params)
 
     def release(self, session_id: str) -> None:
         self.lookup.release(session_id)

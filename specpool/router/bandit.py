@@ -23,10 +23,19 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from specpool.router.loop import Choice, RoundRecord
 from specpool.router.policies import ArmStats, Policy, parse_arm
 from specpool.router.session_store import SessionKey, SessionStore
+
+
+@runtime_checkable
+class ReplayPolicy(Protocol):
+    """A policy that learns from replays (router/policies.ReplayUCB): whether, in a session's
+    ``state``, it wants this round's side observations."""
+
+    def wants_replay(self, state: dict) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class TraceEntry:
 
 
 class BanditChooser:
-    """A ``DrafterChooser`` that asks a policy, with its state in a session store."""
+    """A ``DrafterChooser`` (and ``ReplayingChooser``) that asks a policy, with its state in a session store."""
 
     def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False,
                  shared_sources: frozenset[str] = frozenset()):
@@ -85,10 +94,9 @@ class BanditChooser:
         """The drafters to replay on this round's target tokens: while the policy wants side
         observations (router/policies.ReplayUCB), every drafter of the pool but the one played.
         A shared-source round is credited to no arm, so it is replayed by none either."""
-        wants = getattr(self.policy, "wants_replay", None)
-        if wants is None or self._pending is None or (source is not None and source in self.shared_sources):
+        if not isinstance(self.policy, ReplayPolicy) or self._pending is None or self._selected_from is None:
             return []
-        if self._selected_from is None or not wants(self._selected_from):
+        if (source is not None and source in self.shared_sources) or not self.policy.wants_replay(self._selected_from):
             return []
         played = parse_arm(self._pending)[0]
         return [d for d in self._pool if d != played]

@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from specpool.drafters.base import Drafter, Proposal
+from specpool.drafters.base import Drafter, Proposal, Replayable
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
 
 class Verifier(Protocol):
+    """What the loop needs from the target: one round's verification."""
+
     def verify(self, request: VerifyRequest) -> VerifyResult: ...
+
+
+class SessionVerifier(Verifier, Protocol):
+    """A verifier that keeps a KV cache per session, and frees it when told (the local
+    ``TargetVerifier`` and the target deployment's ``RemoteVerifier``)."""
+
+    def release(self, session_id: str) -> bool | None: ...
 
 
 @dataclass(frozen=True)
@@ -63,14 +72,19 @@ class RoundFeedback:
 
 
 class DrafterChooser(Protocol):
-    """Picks the drafter for each round and learns from its outcome (policies in router/).
-
-    A chooser may also have ``replay_arms(source) -> Sequence[str]``: the drafters to replay on
-    this round's target tokens (side observations for arms it did not play; greedy rounds only)."""
+    """Picks the drafter for each round and learns from its outcome (policies in router/)."""
 
     def select(self) -> Choice: ...
 
     def update(self, record: RoundRecord) -> None: ...
+
+
+@runtime_checkable
+class ReplayingChooser(Protocol):
+    """A chooser that wants side observations: the drafters to replay on this round's target
+    tokens, for arms it did not play (greedy rounds only; ``specpool/router/bandit.py``)."""
+
+    def replay_arms(self, source: str | None) -> Sequence[str]: ...
 
 
 @dataclass
@@ -125,23 +139,23 @@ def block_divergence(tv: list[float]) -> float | None:
 _EMPTY = Proposal([], [])
 
 
-def _replay(chooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int], target_tokens: list[int],
-            k: int, params: SamplingParams, source: str | None) -> tuple[dict[str, int] | None, float]:
+def _replay(chooser: DrafterChooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int],
+            target_tokens: list[int], k: int, params: SamplingParams,
+            source: str | None) -> tuple[dict[str, int] | None, float]:
     """Replay the drafters the chooser asks for on the target's tokens of this round (greedy
-    only: a sampled draft is not determined by the context). Drafters that cannot replay, or
-    answer None, are left out."""
-    replay_arms = getattr(chooser, "replay_arms", None)
-    if replay_arms is None or not params.greedy or k <= 0 or not target_tokens:
+    only: a sampled draft is not determined by the context). Drafters that are not
+    ``Replayable``, or answer None, are left out."""
+    if not isinstance(chooser, ReplayingChooser) or not params.greedy or k <= 0 or not target_tokens:
         return None, 0.0
-    names = replay_arms(source)
+    names = chooser.replay_arms(source)
     if not names:
         return None, 0.0
     started = time.perf_counter()
     replays = {}
     for name in names:
-        replay = getattr(drafters.get(name), "replay", None)
-        if replay is not None:
-            accepted = replay(session_id, context, target_tokens, k, params)
+        drafter = drafters.get(name)
+        if isinstance(drafter, Replayable):
+            accepted = drafter.replay(session_id, context, target_tokens, k, params)
             if accepted is not None:
                 replays[name] = accepted
     return replays, time.perf_counter() - started

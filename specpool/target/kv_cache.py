@@ -272,5 +272,9 @@ class SessionCaches:
     def release(self, session_id: str) -> None:
         self._caches.pop(session_id, None)
 
+    def sessions(self) -> list[str]:
+        """The sessions whose cache is held, least recently used first."""
+        return list(self._caches)
+
     def __len__(self) -> int:
         return len(self._caches)
