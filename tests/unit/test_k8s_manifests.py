@@ -402,7 +402,9 @@ def test_import_paths_are_collected():
 
 @pytest.mark.parametrize("path", import_paths())
 def test_import_paths_resolve(path: str):
-    assert callable(_resolve(path)), f"{path} is not callable"
+    builder = _resolve(path)
+    assert callable(builder), f"{path} is not callable"
+    assert f"{builder.__module__}:{builder.__name__}" == path  # the function itself, not a re-export
 
 
 # --- the image the manifests run ----------------------------------------------------------------
