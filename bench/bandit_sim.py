@@ -16,7 +16,7 @@ Rounds to identify: the first round after which the policy's leader (its empiric
 true best arm for the rest of the run. BD sees all k positions of a round, BE only the accepted
 prefix, so BD's estimates settle sooner.
 
-    python -m bench.bandit_sim --out bench/results/bandit-sim
+    python -m bench.bandit_sim --out bench-results/bandit-sim
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import default_out
 from specpool.router.loop import RoundRecord
 from specpool.router.policies import PolicyOptions, make_policy
 
@@ -242,7 +243,7 @@ def markdown(result: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bandit_sim", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results/bandit-sim")
+    parser.add_argument("--out", default=default_out("bandit-sim"), help=f"output folder (default ./{default_out('bandit-sim')})")
     parser.add_argument("--policies", default="metasd-ucb,ucb-be,thompson,ucb-discounted,exp3,random")
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--beta", type=float, default=0.2)

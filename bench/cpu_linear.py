@@ -1,6 +1,6 @@
 """Plain ``nn.Linear`` against oneDNN-packed linears (specpool/target/cpu_linear.py) on the real target.
 
-    python -m bench.cpu_linear --out bench/results/cpu-linear
+    python -m bench.cpu_linear --out bench-results/cpu-linear
 
 Two copies of the default target, float32 on the CPU: system P (``cpu_linear="packed"``) and
 system U (``cpu_linear="plain"``). For every draft count d = 0..7, both verify the same request
@@ -26,10 +26,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.speed import load_questions, machine_info
-from bench.verify_batch import summary
+from bench.common import default_out, load_questions, machine_info, summary
 from bench.verify_width import alternate_verifications
+from specpool.router.loop import FixedChooser, speculative_generate
 from specpool.services.config import settings_from_env
+from specpool.target.models import ModelConfig, chat_prompt_ids, load_causal_lm, stop_token_ids
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, forward_width
 
@@ -73,9 +74,6 @@ def render(results: dict) -> str:
 
 def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int) -> dict:
     """Greedy target-only decoding of each context by P and U, alternating which goes first."""
-    from specpool.router.loop import FixedChooser, speculative_generate
-    from specpool.target.models import stop_token_ids
-
     stop = stop_token_ids(verifiers["P"].model, verifiers["P"].tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, stop_token_ids=stop)
     rows = []
@@ -97,15 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
     parser.add_argument("--reps", type=int, default=20, help="repetitions per draft count (default 20)")
     parser.add_argument("--decode-tokens", type=int, default=48, help="new tokens of the target-only decoding part (default 48)")
-    parser.add_argument("--out", default="bench/results/cpu-linear")
+    parser.add_argument("--out", default=default_out("cpu-linear"), help=f"output folder (default ./{default_out('cpu-linear')})")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
     if args.decode_tokens < 1:
         parser.error(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
-
-    from specpool.target.models import ModelConfig, chat_prompt_ids, load_causal_lm
-
     home = settings_from_env().home
     verifiers = {}
     for system, mode in SYSTEMS.items():

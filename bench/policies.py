@@ -24,8 +24,16 @@ import time
 import uuid
 from pathlib import Path
 
+from tqdm import tqdm
+
 from bench import policy_report, report
-from specpool.core.errors import NotFound, check
+from bench.common import WARMUP_PROMPT, WARMUP_TOKENS, Question, load_questions, machine_info, parse_drafters
+from specpool.core.errors import check
+from specpool.router.policies import PolicyOptions, make_policy
+from specpool.router.session_store import open_store
+from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
+from specpool.target.models import ModelConfig
+from specpool.target.sampling import SamplingParams, validate_draft_length
 
 ORACLE = policy_report.ORACLE
 FIXED = policy_report.FIXED_PREFIX
@@ -33,8 +41,6 @@ FIXED = policy_report.FIXED_PREFIX
 
 def parse_policies(text: str, pool: list[str]) -> list[str]:
     """Policy names, validated (unknown name, oracle-only, bad options fail here, before any model)."""
-    from specpool.router.policies import make_policy
-
     names = [s.strip() for s in text.split(",") if s.strip()]
     check(bool(names), "--policies is empty; give policy names such as metasd-ucb,ucb-be,oracle")
     check(len(set(names)) == len(names), f"--policies names a policy twice: {text}")
@@ -55,14 +61,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_policy_bench(args: argparse.Namespace, settings) -> int:
-    from tqdm import tqdm
-
-    from bench.speed import WARMUP_PROMPT, WARMUP_TOKENS, load_questions, machine_info, parse_drafters
-    from specpool.router.policies import PolicyOptions
-    from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
-    from specpool.target.models import ModelConfig
-    from specpool.target.sampling import SamplingParams, validate_draft_length
-
+    """The policy benchmark of ``args`` (bench/cli.py has filled in its defaults)."""
     check(args.max_new_tokens >= 2, f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
     validate_draft_length(args.k)
     options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
@@ -75,8 +74,6 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     random.Random(args.seed).shuffle(questions)  # a mixed stream: domains interleave
     out = Path(args.out).expanduser()
     check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
-    from specpool.router.session_store import open_store
-
     # The run's own Redis namespace, so it starts from empty tenant statistics.
     store = open_store(args.store, namespace=f"specpool-bench-{uuid.uuid4().hex[:8]}")
     out.mkdir(parents=True, exist_ok=True)
@@ -86,8 +83,39 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                                          drafter_device=args.device, drafter_dtype=args.dtype), store=store)
     for name in pool:
         engine.drafter(name)
+    systems = [report.TARGET] + [FIXED + d for d in pool] + [p for p in policies if p != ORACLE]
+    run = system_runner(engine, args, pool, options)
+    try:
+        records, interrupted = measure(run, systems, policies, questions, [engine.encode_prompt(q.prompt) for q in questions],
+                                       engine.encode_prompt(WARMUP_PROMPT), args.max_new_tokens, out / "per_prompt.jsonl")
+    finally:
+        store.close()
+    if not records:
+        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
+        return 130
+
+    n_done = len({r["prompt_index"] for r in records})
+    config = {
+        "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
+        "pool": pool, "policies": policies, "systems": systems + ([ORACLE] if ORACLE in policies else []),
+        "k": args.k, "beta": args.beta, "probe_rounds": args.probe_rounds, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "store": store.describe, "prompts_file": str(prompts_path), "n_prompts": n_done, "seed": args.seed,
+        "limit_per_category": args.limit_per_category, "order": "seeded shuffle of the prompts; systems back to back per prompt, order rotated",
+        "command": command_line(args), "interrupted": interrupted,
+    }
+    rows, _ = write_report(out, records, machine_info(args.device), config)
+    print(policy_report.markdown_table(rows, report.ALL))
+    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, regret.png and arm-choice plots")
+    bad = {r["system"]: r["lossless_mismatches"] for r in rows if r["category"] == report.ALL and r["lossless_mismatches"]}
+    if bad:
+        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {bad}", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def system_runner(engine, args: argparse.Namespace, pool: list[str], options: PolicyOptions):
+    """run(system, prompt_ids, max_new_tokens, prompt_index) -> (GenerationResult, wall seconds).
+    Each system keeps its own tenant across the stream (what +warm policies start from)."""
     stop_ids = engine.stop_token_ids()
-    prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]
     run_tag = uuid.uuid4().hex[:8]
 
     def run(system: str, ids: list[int], n: int, index: int):
@@ -103,49 +131,32 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
                                  pool=pool, tenant=tenant, policy_options=options, trace=policy is not None)
         return result, time.perf_counter() - started
 
-    systems = [report.TARGET] + [FIXED + d for d in pool] + [p for p in policies if p != ORACLE]
-    warmup = engine.encode_prompt(WARMUP_PROMPT)
-    for system in systems:
-        run(system, warmup, WARMUP_TOKENS, -1)
+    return run
 
+
+def measure(run, systems: list[str], policies: list[str], questions: list[Question], prompt_ids: list[list[int]],
+            warmup_ids: list[int], max_new_tokens: int, raw_path: Path) -> tuple[list[dict], bool]:
+    """Every system on every prompt, back to back, order rotated per prompt, then the oracle (the
+    fastest fixed drafter of the prompt, run again); the records (also written to ``raw_path``)
+    and whether Ctrl-C cut the run short."""
+    for system in systems:
+        run(system, warmup_ids, WARMUP_TOKENS, -1)
     records: list[dict] = []
     interrupted = False
-    with (out / "per_prompt.jsonl").open("w") as raw:
+    with raw_path.open("w") as raw:
         bar = tqdm(list(enumerate(questions)), desc="bench policies", unit="prompt", file=sys.stderr, dynamic_ncols=True)
         try:
             for i, question in bar:
                 shift = i % len(systems)
-                runs = {s: run(s, prompt_ids[i], args.max_new_tokens, i) for s in systems[shift:] + systems[:shift]}
+                runs = {s: run(s, prompt_ids[i], max_new_tokens, i) for s in systems[shift:] + systems[:shift]}
+                pick = None
                 if ORACLE in policies:
                     fixed = [s for s in systems if s.startswith(FIXED)]
                     pick = max(fixed, key=lambda s: len(runs[s][0].token_ids) / runs[s][1])
-                    runs[ORACLE] = run(pick, prompt_ids[i], args.max_new_tokens, i)
+                    runs[ORACLE] = run(pick, prompt_ids[i], max_new_tokens, i)
                 target_ids = runs[report.TARGET][0].token_ids
                 for system, (result, wall) in runs.items():
-                    kind = ("target" if system == report.TARGET else "fixed" if system.startswith(FIXED)
-                            else "oracle" if system == ORACLE else "policy")
-                    rec = {
-                        "prompt_index": i, "question_id": question.question_id, "category": question.category,
-                        "system": system, "kind": kind, "ours": True, "prompt_tokens": len(prompt_ids[i]),
-                        "new_tokens": len(result.token_ids), "wall_s": wall, "rounds": len(result.rounds),
-                        "round_s": sum(r.round_s for r in result.rounds), "chooser_s": result.chooser_s,
-                        "matches_target": None if system == report.TARGET else result.token_ids == target_ids,
-                        "emitted": [r.emitted for r in result.rounds],
-                        "proposed": [r.proposed for r in result.rounds],  # verify width - 1: with arms, a cost model can replay a run
-                        "drafted_k": [r.k for r in result.rounds],
-                        # Per-round call times and proposal sources: bench/policy_report.steady_walls
-                        # re-times every run with each call at its median over the prompt's runs.
-                        "draft_ms": [round(r.draft_s * 1e3, 3) for r in result.rounds],
-                        "verify_ms": [round(r.verify_s * 1e3, 3) for r in result.rounds],
-                        "other_ms": [round((r.round_s - r.draft_s - r.verify_s - r.replay_s) * 1e3, 3) for r in result.rounds],
-                        # ucb-replay's side observations: their time, and which drafters were replayed
-                        "replay_ms": [round(r.replay_s * 1e3, 3) for r in result.rounds],
-                        "replayed": [sorted(r.replays) if r.replays else [] for r in result.rounds],
-                        "sources": [r.source for r in result.rounds],
-                        "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
-                        "leaders": [t.leader for t in result.trace] if result.trace else None,
-                        "oracle_drafter": pick.removeprefix(FIXED) if system == ORACLE else None,
-                    }
+                    rec = policy_record(i, question, system, len(prompt_ids[i]), result, wall, target_ids, pick)
                     records.append(rec)
                     raw.write(json.dumps(rec) + "\n")
                 raw.flush()
@@ -155,28 +166,37 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
         except KeyboardInterrupt:
             interrupted = True
         bar.close()
-    store.close()
-    if not records:
-        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
-        return 130
+    return records, interrupted
 
-    n_done = len({r["prompt_index"] for r in records})
-    machine = machine_info(args.device)
-    config = {
-        "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
-        "pool": pool, "policies": policies, "systems": systems + ([ORACLE] if ORACLE in policies else []),
-        "k": args.k, "beta": args.beta, "probe_rounds": args.probe_rounds, "max_new_tokens": args.max_new_tokens, "temperature": 0,
-        "store": store.describe, "prompts_file": str(prompts_path), "n_prompts": n_done, "seed": args.seed,
-        "limit_per_category": args.limit_per_category, "order": "seeded shuffle of the prompts; systems back to back per prompt, order rotated",
-        "command": command_line(args), "interrupted": interrupted,
+
+def policy_record(index: int, question: Question, system: str, prompt_tokens: int, result, wall: float,
+                  target_ids: list[int], oracle_pick: str | None) -> dict:
+    """One system's raw counters on one prompt (per_prompt.jsonl); bench/policy_report.py derives
+    every figure from these."""
+    kind = ("target" if system == report.TARGET else "fixed" if system.startswith(FIXED)
+            else "oracle" if system == ORACLE else "policy")
+    return {
+        "prompt_index": index, "question_id": question.question_id, "category": question.category,
+        "system": system, "kind": kind, "ours": True, "prompt_tokens": prompt_tokens,
+        "new_tokens": len(result.token_ids), "wall_s": wall, "rounds": len(result.rounds),
+        "round_s": sum(r.round_s for r in result.rounds), "chooser_s": result.chooser_s,
+        "matches_target": None if system == report.TARGET else result.token_ids == target_ids,
+        "emitted": [r.emitted for r in result.rounds],
+        "proposed": [r.proposed for r in result.rounds],  # verify width - 1: with arms, a cost model can replay a run
+        "drafted_k": [r.k for r in result.rounds],
+        # Per-round call times and proposal sources: bench/policy_report.steady_walls
+        # re-times every run with each call at its median over the prompt's runs.
+        "draft_ms": [round(r.draft_s * 1e3, 3) for r in result.rounds],
+        "verify_ms": [round(r.verify_s * 1e3, 3) for r in result.rounds],
+        "other_ms": [round((r.round_s - r.draft_s - r.verify_s - r.replay_s) * 1e3, 3) for r in result.rounds],
+        # ucb-replay's side observations: their time, and which drafters were replayed
+        "replay_ms": [round(r.replay_s * 1e3, 3) for r in result.rounds],
+        "replayed": [sorted(r.replays) if r.replays else [] for r in result.rounds],
+        "sources": [r.source for r in result.rounds],
+        "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
+        "leaders": [t.leader for t in result.trace] if result.trace else None,
+        "oracle_drafter": oracle_pick.removeprefix(FIXED) if system == ORACLE else None,
     }
-    rows, _ = write_report(out, records, machine, config)
-    print(policy_report.markdown_table(rows, report.ALL))
-    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, regret.png and arm-choice plots")
-    bad = {r["system"]: r["lossless_mismatches"] for r in rows if r["category"] == report.ALL and r["lossless_mismatches"]}
-    if bad:
-        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {bad}", file=sys.stderr)
-    return 130 if interrupted else 0
 
 
 def write_report(out: Path, records: list[dict], machine: dict, config: dict) -> tuple[list[dict], dict]:
@@ -202,6 +222,8 @@ def write_report(out: Path, records: list[dict], machine: dict, config: dict) ->
 
 def rerender(out: Path) -> None:
     """Rebuild results.json and report.md of a finished run from its per_prompt.jsonl."""
+    check((out / "per_prompt.jsonl").is_file(), f"{out / 'per_prompt.jsonl'} does not exist: --rerender needs the raw "
+                                                "per-prompt log of a fresh run (committed results keep only the reports)")
     saved = json.loads((out / "results.json").read_text())
     records = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines() if line.strip()]
     write_report(out, records, saved["machine"], saved["config"])
@@ -258,12 +280,16 @@ def render(machine: dict, config: dict, rows: list[dict], summary: dict, curves:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    # python -m bench.policies --rerender DIR: re-aggregate a finished run (e.g. after a report change)
-    import sys as _sys
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.policies --rerender DIR``: re-aggregate a finished run (e.g. after a report
+    change) from its raw per_prompt.jsonl, which only a fresh run has (git keeps only the reports)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--rerender":
+        rerender(Path(argv[1]))
+        return 0
+    print("usage: python -m bench.policies --rerender DIR (runs are started with specpool bench --policies)", file=sys.stderr)
+    return 2
 
-    if len(_sys.argv) == 3 and _sys.argv[1] == "--rerender":
-        rerender(Path(_sys.argv[2]))
-    else:
-        print("usage: python -m bench.policies --rerender DIR (runs are started with specpool bench --policies)")
-        _sys.exit(2)
+
+if __name__ == "__main__":
+    sys.exit(main())

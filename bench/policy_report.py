@@ -8,7 +8,7 @@ Input: the per-(prompt, system) records of ``per_prompt.jsonl``. A record has::
     arms      [arm played per round]           (None entries: target-only rounds)
     leaders   [the policy's best arm after each round]   (policies only)
 
-Definitions (DESIGN.md vocabulary):
+Definitions (the vocabulary of docs/ARCHITECTURE.md):
 - *oracle*: per prompt, the fixed drafter with the highest tokens/s, run again in its own slot;
 - *best fixed*: the one fixed drafter with the highest pooled tokens/s over the whole mixed set;
 - *rounds per 100 tokens*: 100 · rounds / new tokens (stopping time per 100 tokens);

@@ -1,7 +1,7 @@
 """Pure aggregation and rendering for ``specpool bench``: no models, no clocks.
 
 Input is the list of per-prompt records the benchmark writes to ``per_prompt.jsonl``, one per
-(prompt, system), holding raw counters only (DESIGN.md, Conventions 4); every rate and ratio is
+(prompt, system), holding raw counters only (docs/ARCHITECTURE.md, "Conventions"); every rate and ratio is
 derived here. A record has at least::
 
     prompt_index, category, system, ours (bool), new_tokens, wall_s, matches_target

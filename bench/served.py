@@ -1,6 +1,6 @@
 """``specpool bench-served``: served mode (Ray Serve + gRPC + Redis) against the embedded engine.
 
-One run (DESIGN.md, "Measuring"): it starts a local served deployment (the same ``start_local``
+One run (docs/ARCHITECTURE.md, "Measuring"): it starts a local served deployment (the same ``start_local``
 as `specpool serve`) and the embedded engine with the same models in a child process of its own
 (``EmbeddedWorker``: no Ray in it, as in a user's `specpool generate`), then
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from bench.common import WARMUP_PROMPT, default_out, load_questions, machine_info
 from specpool.core.errors import check
 
 DEFAULT_CONCURRENCY = "1,4,8"
-WARMUP_PROMPT = "Say hello."
 EMBEDDED_START_TIMEOUT_S = 600.0  # loading the target and the pool's drafters in the child
 
 
@@ -134,7 +134,7 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="the target's @serve.batch size (default 8)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--port", type=int, default=50061, help="gRPC port of the benchmark's own server (default 50061)")
-    parser.add_argument("--out", default="bench/results/served", help="output folder (default bench/results/served)")
+    parser.add_argument("--out", default=default_out("served"), help=f"output folder (default ./{default_out('served')} in the working directory)")
 
 
 def parse_levels(text: str) -> list[int]:
@@ -365,7 +365,6 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from ray import serve
     from tqdm import tqdm
 
-    from bench.speed import load_questions, machine_info
     from specpool.router.policies import PolicyOptions, make_policy
     from specpool.services.client import SpecPoolClient
     from specpool.services.local_serve import start_local

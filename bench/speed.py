@@ -2,7 +2,7 @@
 
 For every prompt, every system runs back to back in one process (the order rotates from prompt to
 prompt), so machine noise hits all systems alike and per-prompt ratios stay meaningful
-(DESIGN.md, "Measuring"). Systems, all greedy and sharing one target model object:
+(docs/ARCHITECTURE.md, "Measuring"). Systems, all greedy and sharing one target model object:
 
     target               our loop, no drafter (target-only decoding)
     <drafter spec>       our loop with that drafter, e.g. ngram, hf:/path
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -27,102 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 from bench import report
-from specpool.core.errors import InvalidArgument, NotFound, check
+from bench.common import (IN_DOMAIN_DRAFTERS, WARMUP_PROMPT, WARMUP_TOKENS, Question, load_questions, machine_info,
+                          parse_drafters)
+from specpool.core.errors import check
 
-WARMUP_PROMPT = "Say hello."
 IN_DOMAIN = "in-domain"
 IN_DOMAIN_LOOKUP = "in-domain+lookup"  # lookup:DRAFTER (specpool/drafters/lookup_first.py) for the same drafter
-# Spec-Bench categories -> the shipped zoo drafter trained for them (specpool/learning/zoo_data.py).
-IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
-                      "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
-WARMUP_TOKENS = 8
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", required=True,
-                        help="Spec-Bench / MT-Bench question file (JSON lines with category and turns); with --online, the corpus")
-    parser.add_argument("--limit-per-category", type=int, default=5, help="first N prompts of each category (default 5)")
-    # default None: each benchmark fills in its own (resolve_bench_defaults; --online has other ones)
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
-    parser.add_argument("--drafters", default=None, help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
-    parser.add_argument("-k", type=int, default=5, help="draft length per round, for ours and the HF peers (default 5)")
-    parser.add_argument("--out", default=None, help="output folder (default bench/results/latest)")
-    parser.add_argument("--in-domain", action="store_true",
-                        help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
-    parser.add_argument("--in-domain-lookup", action="store_true",
-                        help="also run system 'in-domain+lookup': the same drafter behind prompt lookup (lookup:DRAFTER)")
-    policies = parser.add_argument_group("policies (bench/policies.py): drafter selection on a shuffled, mixed stream")
-    policies.add_argument("--policies", default=None,
-                          help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
-    policies.add_argument("--pool", default=None, help="drafters the policies choose among (default: ngram and every shipped zoo drafter)")
-    policies.add_argument("--beta", type=float, default=0.2, help="UCB exploration weight (default 0.2)")
-    policies.add_argument("--probe-rounds", type=int, default=4,
-                          help="ucb-replay: rounds in which every drafter is replayed on the target's tokens (default 4)")
-    policies.add_argument("--store", default="memory", help="session store: memory (default) or redis://HOST:PORT/DB")
-    policies.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle and the policies")
-    from bench.online import add_bench_online_arguments
-
-    add_bench_online_arguments(parser)  # --online and its options (bench/online.py)
-
-
-BENCH_DEFAULTS = {"max_new_tokens": 128, "drafters": "ngram", "out": "bench/results/latest"}
-
-
-def resolve_bench_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill in the side-by-side and policy benchmarks' defaults of the options --online shares."""
-    for name, value in BENCH_DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    return args
-
-
-# -- inputs (no models) -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Question:
-    question_id: object  # as in the file (int or str)
-    category: str
-    prompt: str  # the first turn
-
-
-def load_questions(path: Path, limit_per_category: int) -> list[Question]:
-    """The first ``limit_per_category`` questions of each category, in file order."""
-    check(limit_per_category >= 1, f"--limit-per-category must be >= 1, got {limit_per_category}")
-    check(path.exists(), f"prompts file {path} does not exist", NotFound)
-    check(path.is_file(), f"prompts file {path} is not a file")
-    questions: list[Question] = []
-    per_category: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            check(isinstance(item, dict), f"{where}: expected a JSON object with category and turns")
-            category, turns = item.get("category"), item.get("turns")
-            check(isinstance(category, str) and bool(category), f"{where}: missing or empty \"category\"")
-            check(isinstance(turns, list) and bool(turns) and isinstance(turns[0], str) and bool(turns[0].strip()),
-                  f"{where}: \"turns\" must be a non-empty list whose first turn is a non-empty string")
-            if per_category.get(category, 0) < limit_per_category:
-                per_category[category] = per_category.get(category, 0) + 1
-                questions.append(Question(item.get("question_id", line_no), category, turns[0]))
-    check(bool(questions), f"prompts file {path} holds no questions")
-    return questions
-
-
-def parse_drafters(text: str) -> list[str]:
-    from specpool.drafters.registry import drafter_kinds, known_spec
-
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    check(bool(specs), "--drafters is empty; give drafter specs such as ngram or ngram,hf:PATH")
-    check(len(set(specs)) == len(specs), f"--drafters names a drafter twice: {text}")
-    for spec in specs:
-        check(spec not in ("none", report.TARGET), "target-only decoding always runs; leave it out of --drafters")
-        if not known_spec(spec):
-            raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())} or a shipped zoo name")
-    return specs
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -133,28 +41,6 @@ def command_line(args: argparse.Namespace) -> str:
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
         "--cpu-linear", args.cpu_linear,
     ] + (["--in-domain"] if args.in_domain else []) + (["--in-domain-lookup"] if args.in_domain_lookup else []))
-
-
-def machine_info(device: str) -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
 
 
 # -- systems (models) ---------------------------------------------------------------------------
@@ -253,22 +139,12 @@ def make_record(index: int, question: Question, system: str, is_ours: bool, prom
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run_bench(args: argparse.Namespace, settings) -> int:
-    from tqdm import tqdm
-
+def run_speed_bench(args: argparse.Namespace, settings) -> int:
+    """The side-by-side benchmark of ``args`` (bench/cli.py has filled in its defaults)."""
     from specpool.services.engine import EmbeddedEngine, EngineConfig
     from specpool.target.models import ModelConfig
     from specpool.target.sampling import validate_draft_length
 
-    if getattr(args, "online", False):
-        from bench.online import online_args_from_bench, run_online_bench
-
-        return run_online_bench(online_args_from_bench(args), settings)
-    resolve_bench_defaults(args)
-    if args.policies is not None:
-        from bench.policies import run_policy_bench
-
-        return run_policy_bench(args, settings)
     # Everything checkable without a model is checked before the (slow) model load.
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     validate_draft_length(args.k)
@@ -283,26 +159,42 @@ def run_bench(args: argparse.Namespace, settings) -> int:
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype, args.cpu_linear),
                                          drafter_device=args.device, drafter_dtype=args.dtype))
     systems = build_systems(engine, specs, args.k, args.in_domain, args.in_domain_lookup)
+    records, interrupted = measure(engine, systems, questions, args.max_new_tokens, out / "per_prompt.jsonl")
+    if not records:
+        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
+        return 130
+    rows, mismatches = write_report(out, args, engine, systems, specs, questions, prompts_path, records, interrupted)
+    print(report.markdown_table(rows))
+    ours_bad = {s: n for s, n in mismatches.items() if n and systems[s][0]}
+    if ours_bad:
+        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {ours_bad}", file=sys.stderr)
+    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, speedup.png")
+    return 130 if interrupted else 0
+
+
+def measure(engine, systems: dict, questions: list[Question], max_new_tokens: int, raw_path: Path) -> tuple[list[dict], bool]:
+    """Every system on every prompt, back to back, the order rotated per prompt; the raw records
+    (also written to ``raw_path`` as they come) and whether Ctrl-C cut the run short."""
+    from tqdm import tqdm
+
     names = list(systems)
     prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
-
     warmup_ids = engine.encode_prompt(WARMUP_PROMPT)
     for _, run in systems.values():
-        run(warmup_ids, min(WARMUP_TOKENS, args.max_new_tokens), "chat")
-
+        run(warmup_ids, min(WARMUP_TOKENS, max_new_tokens), "chat")
     records: list[dict] = []
     interrupted = False
-    with (out / "per_prompt.jsonl").open("w") as raw:
+    with raw_path.open("w") as raw:
         bar = tqdm(list(enumerate(questions)), desc="bench", unit="prompt", file=sys.stderr, dynamic_ncols=True)
         try:
             for i, question in bar:
                 shift = i % len(names)  # rotate the order so no system always runs first
-                runs = {name: systems[name][1](prompt_ids[i], args.max_new_tokens, question.category)
+                runs = {name: systems[name][1](prompt_ids[i], max_new_tokens, question.category)
                         for name in names[shift:] + names[:shift]}
                 target_ids = runs[report.TARGET].token_ids
                 for name in names:
                     rec = make_record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
-                                 None if name == report.TARGET else target_ids)
+                                      None if name == report.TARGET else target_ids)
                     records.append(rec)
                     raw.write(json.dumps(rec) + "\n")
                 raw.flush()
@@ -312,15 +204,18 @@ def run_bench(args: argparse.Namespace, settings) -> int:
         except KeyboardInterrupt:
             interrupted = True  # report what was measured so far
         bar.close()
-    if not records:
-        print("specpool: interrupted before the first prompt finished", file=sys.stderr)
-        return 130
+    return records, interrupted
 
+
+def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, specs: list[str], questions: list[Question],
+                 prompts_path: Path, records: list[dict], interrupted: bool) -> tuple[list[dict], dict[str, int]]:
+    """results.json, speedup.png and report.md of a run; its rows and lossless mismatch counts."""
+    names = list(systems)
     rows = report.aggregate(records)
     mismatches = report.mismatch_counts(records)
     n_done = len({r["prompt_index"] for r in records})
     machine = machine_info(args.device)
-    categories = {}
+    categories: dict[str, int] = {}
     for q in questions[:n_done]:
         categories[q.category] = categories.get(q.category, 0) + 1
     config = {
@@ -356,10 +251,4 @@ def run_bench(args: argparse.Namespace, settings) -> int:
         ("command", f"`{config['command']}`"),
     ]
     (out / "report.md").write_text(report.markdown_report(header, rows, mismatches, plot_name))
-
-    print(report.markdown_table(rows))
-    ours_bad = {s: n for s, n in mismatches.items() if n and systems[s][0]}
-    if ours_bad:
-        print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {ours_bad}", file=sys.stderr)
-    print(f"\nwrote {out}/results.json, per_prompt.jsonl, report.md, {plot_name}")
-    return 130 if interrupted else 0
+    return rows, mismatches

@@ -1,13 +1,13 @@
 """Batched verification across sessions: one ``verify_batch`` call vs the same requests through
 ``verify`` one by one, on the real default target.
 
-    python -m bench.verify_batch --out bench/results/verify-batch
+    python -m bench.verify_batch --out bench-results/verify-batch
 
 For batch sizes 1, 2, 4, 8 (k = 5, greedy), B sessions each send one round's verification
 (their context + 5 drafts, the first 3 of them the target's own greedy tokens, so 3 are accepted
 and the rollback runs). System A verifies them with one ``verify_batch`` call; system B calls
 ``verify`` for each. A and B have their own verifiers (own caches, same model object) kept in the
-same logical state, and alternate A B / B A from repetition to repetition (DESIGN.md,
+same logical state, and alternate A B / B A from repetition to repetition (docs/ARCHITECTURE.md,
 "Measuring"). Every repetition also checks that A and B return the same accepted counts and
 tokens; at the end the raw logits of both paths are compared. Two context settings: the chat
 prompt as is (short), and a long user turn of several questions (hundreds of tokens, different
@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.speed import machine_info
+from bench.common import default_out, load_prompts, machine_info, summary
 from specpool.services.config import settings_from_env
+from specpool.services.engine import EmbeddedEngine
 from specpool.target.kv_cache import batched_logits
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
@@ -38,18 +38,7 @@ from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
 BATCH_SIZES = (1, 2, 4, 8)
 K = 5
 ACCEPTED = 3  # drafts = 3 greedy tokens + 2 that are (almost surely) rejected
-PROMPTS = Path("/work/shared/data/prompts/dev.jsonl")
-
-
-def load_prompts(path: Path) -> list[tuple[str, str]]:
-    """(category, first turn) of every question, in file order."""
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                item = json.loads(line)
-                out.append((item["category"], item["turns"][0]))
-    return out
+PROMPTS = Path("../shared/data/prompts/dev.jsonl")
 
 
 def pick_texts(questions: list[tuple[str, str]], n: int, long: bool) -> list[str]:
@@ -64,18 +53,6 @@ def pick_texts(questions: list[tuple[str, str]], n: int, long: bool) -> list[str
         return texts
     pool = [text for _, text in questions]
     return [" ".join([texts[i]] + pool[30 * i : 30 * i + 4 + 3 * i]) for i in range(n)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "p25": percentile(values, 0.25), "p75": percentile(values, 0.75)}
 
 
 def build_requests(engine, verifier: TargetVerifier, texts: list[str], tag: str) -> list[VerifyRequest]:
@@ -224,14 +201,11 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/verify-batch", help="output folder")
+    parser.add_argument("--out", default=default_out("verify-batch"), help=f"output folder (default ./{default_out('verify-batch')})")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per batch size (default 10)")
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="Spec-Bench style question file")
     parser.add_argument("--settings", default="short,long", help="context settings to run: short,long")
     args = parser.parse_args(argv)
-
-    from specpool.services.engine import EmbeddedEngine
-
     started = time.perf_counter()
     engine = EmbeddedEngine.default(settings_from_env().home)
     questions = load_prompts(args.prompts)

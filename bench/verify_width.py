@@ -1,14 +1,14 @@
 """Padded verification forwards: the CPU's forward widths (``specpool.target.verifier.CPU_FORWARD_WIDTHS``)
 against no padding, round by round on the real default target.
 
-    python -m bench.verify_width --out bench/results/verify-width
+    python -m bench.verify_width --out bench-results/verify-width
 
 Why: on a CPU, float32 matmuls at 2-3 rows (and 6-7) cost more than at 4 (and 8), so a round
 that verifies 1-2 drafts is cheaper padded to 4 positions. This measures it where it matters, in
 ``TargetVerifier.verify``: for every draft count d = 0..7 (forward width d + 1), system P (the
 default widths) and system U (``forward_widths=()``, no padding) verify the same request, the
 first draft wrong so both roll back to the same cache, alternating P U / U P per repetition
-(DESIGN.md, "Measuring") and cycling over one prompt per category. Each repetition also checks
+(docs/ARCHITECTURE.md, "Measuring") and cycling over one prompt per category. Each repetition also checks
 that both return the same accepted count and tokens.
 
 Writes results.json and report.md to --out.
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.speed import load_questions, machine_info
-from bench.verify_batch import summary
+from bench.common import default_out, load_questions, machine_info, summary
 from specpool.services.config import settings_from_env
+from specpool.services.engine import EmbeddedEngine
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, forward_width
@@ -101,13 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_width", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
     parser.add_argument("--reps", type=int, default=30, help="repetitions per draft count (default 30)")
-    parser.add_argument("--out", default="bench/results/verify-width")
+    parser.add_argument("--out", default=default_out("verify-width"), help=f"output folder (default ./{default_out('verify-width')})")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
-
-    from specpool.services.engine import EmbeddedEngine
-
     engine = EmbeddedEngine.default(settings_from_env().home)
     questions = load_questions(Path(args.prompts), 1)
     contexts = [engine.encode_prompt(q.prompt) for q in questions]

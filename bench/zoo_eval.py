@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from bench.speed import load_questions, machine_info
+from bench.common import default_out, load_questions, machine_info
 from specpool.core.errors import InvalidArgument, NotFound, check
 
 TEMPERATURES = (0.0, 0.7)
@@ -28,7 +28,7 @@ def add_zoo_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled (temperature 0.7) runs")
-    parser.add_argument("--out", default="bench/results/zoo", help="output folder (default bench/results/zoo)")
+    parser.add_argument("--out", default=default_out("zoo"), help=f"output folder (default ./{default_out('zoo')} in the working directory)")
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
     parser.add_argument("--write-cards", action="store_true",
                         help="write each shipped drafter's row into its model card (then rerun `specpool zoo manifest`)")

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROBE_ROUNDS,
                                      DEFAULT_TARGET, DEFAULT_TENANT, MAX_DRAFT_LENGTH)
+from specpool.cli.bench_loader import add_bench_command, load_bench
 from specpool.core.errors import SpecpoolError
 
 EXIT_USAGE = 2
@@ -109,16 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
     train.add_argument("--target", default=None, help="target model (default: the embedded default)")
     zoo_commands.add_parser("manifest", help="hash the shipped drafters (specpool/drafters/zoo/) and record their reference acceptance")
-    from bench.zoo_eval import add_zoo_eval_arguments
+    # The benchmarks' commands take their options from bench/ of the checkout (specpool/cli/bench_loader.py).
+    add_bench_command(zoo_commands, "eval", command="zoo eval", help="cross-domain acceptance matrix of drafters x categories",
+                      module="zoo_eval", add_arguments=lambda zoo_eval, parser: zoo_eval.add_zoo_eval_arguments(parser))
 
-    zoo_eval = zoo_commands.add_parser("eval", help="cross-domain acceptance matrix of drafters x categories")
-    add_zoo_eval_arguments(zoo_eval)
+    def add_bench_options(bench_cli, parser: argparse.ArgumentParser) -> None:
+        bench_cli.add_bench_arguments(parser)
+        _add_model_options(parser)
 
-    from bench.speed import add_bench_arguments
-
-    bench = commands.add_parser("bench", help="benchmark speculative decoding against target-only and Hugging Face")
-    add_bench_arguments(bench)
-    _add_model_options(bench)
+    add_bench_command(commands, "bench", command="bench", help="benchmark speculative decoding against target-only and Hugging Face",
+                      module="cli", add_arguments=add_bench_options)
 
     from specpool.cli.served import add_served_commands
 
@@ -332,6 +333,16 @@ def cmd_zoo_manifest(settings) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, settings) -> int:
+    """``specpool bench``: bench/cli.py of the checkout, or the one-line hint where it is missing."""
+    return load_bench("cli", "bench").run_bench(args, settings)
+
+
+def cmd_zoo_eval(args: argparse.Namespace, settings) -> int:
+    """``specpool zoo eval``: bench/zoo_eval.py of the checkout, or the one-line hint where it is missing."""
+    return load_bench("zoo_eval", "zoo eval").run_zoo_eval(args, settings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from specpool.services.config import settings_from_env
 
@@ -349,13 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "zoo" and args.zoo_command == "manifest":
             return cmd_zoo_manifest(settings)
         if args.command == "zoo" and args.zoo_command == "eval":
-            from bench.zoo_eval import run_zoo_eval
-
-            return run_zoo_eval(args, settings)
+            return cmd_zoo_eval(args, settings)
         if args.command == "bench":
-            from bench.speed import run_bench
-
-            return run_bench(args, settings)
+            return cmd_bench(args, settings)
         if args.command == "learner":
             from specpool.cli.learning import run_learner_command
 

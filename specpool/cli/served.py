@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from specpool.core.defaults import DEFAULT_POLICY, MAX_DRAFT_LENGTH
+from specpool.cli.bench_loader import add_bench_command, load_bench
 from specpool.core.errors import InvalidArgument, SpecpoolError, check
 
 EXIT_SERVER = 1
@@ -61,10 +62,10 @@ def add_served_commands(commands) -> None:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds; past it the server stops the request")
 
-    from bench.served import add_bench_served_arguments
-
-    bench = commands.add_parser("bench-served", help="benchmark served vs embedded: tokens/s, concurrency, latency")
-    add_bench_served_arguments(bench)
+    # Its options come from bench/served.py of the checkout (specpool/cli/bench_loader.py).
+    add_bench_command(commands, "bench-served", command="bench-served",
+                      help="benchmark served vs embedded: tokens/s, concurrency, latency", module="served",
+                      add_arguments=lambda served, parser: served.add_bench_served_arguments(parser))
 
 
 def run_served_command(args: argparse.Namespace, settings) -> int | None:
@@ -74,9 +75,7 @@ def run_served_command(args: argparse.Namespace, settings) -> int | None:
     if args.command == "client" and args.client_command == "generate":
         return cmd_client_generate(args)
     if args.command == "bench-served":
-        from bench.served import run_bench_served
-
-        return run_bench_served(args, settings)
+        return load_bench("served", "bench-served").run_bench_served(args, settings)
     return None
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from bench import report
-from bench.speed import load_questions, parse_drafters
+from bench.common import load_questions, parse_drafters
 from specpool.core.errors import InvalidArgument, NotFound
 
 

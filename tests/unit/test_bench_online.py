@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.online import (add_online_arguments, aggregate, main, passages, render_spread, rerender, run_online_bench, segment_of,
-                          spread, stream_prompts)
+from bench.online import main, run_online_bench
+from bench.online_args import add_online_arguments
+from bench.online_report import aggregate, render_spread, rerender, segment_of, spread
+from bench.online_stream import passages, stream_prompts
 from specpool.core.errors import InvalidArgument
 from online_helpers import write_tiny_zoo
 

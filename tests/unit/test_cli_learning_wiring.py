@@ -338,7 +338,7 @@ def online_namespace(argv: list[str]) -> dict:
 
 def bench_namespace(argv: list[str]) -> dict:
     """What ``specpool bench --online ARGV`` runs (bench/online.py's namespace)."""
-    from bench.online import online_args_from_bench
+    from bench.online_args import online_args_from_bench
     from specpool.cli.main import build_parser
 
     args = vars(online_args_from_bench(build_parser().parse_args(["bench", "--online", *argv])))
@@ -362,11 +362,11 @@ def test_bench_online_options_map_one_to_one():
 
 
 def test_bench_without_online_keeps_its_defaults():
-    from bench.speed import resolve_bench_defaults
+    from bench.cli import resolve_bench_defaults
     from specpool.cli.main import build_parser
 
     args = resolve_bench_defaults(build_parser().parse_args(["bench", "--prompts", "p.jsonl"]))
-    assert (args.online, args.max_new_tokens, args.drafters, args.out) == (False, 128, "ngram", "bench/results/latest")
+    assert (args.online, args.max_new_tokens, args.drafters, args.out) == (False, 128, "ngram", "bench-results/latest")
 
 
 @pytest.mark.parametrize("options, fragments", [

@@ -1,0 +1,131 @@
+"""What the benchmarks share: prompt files, the machine description, warm-up, output folders, small
+statistics. Imports no other benchmark module but the pure ``bench.report``, so every benchmark
+can import it and bench/ has no cycle (bench/cli.py is the one entry that imports the others).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import report
+from specpool.core.errors import InvalidArgument, NotFound, check
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 8
+# Spec-Bench categories -> the shipped zoo drafter trained for them (specpool/learning/zoo_data.py).
+IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
+                      "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
+# Results go under the working directory, never into the package or the checkout's bench/results/
+# (which holds only the reports the README cites).
+RESULTS_ROOT = "bench-results"
+
+
+def default_out(name: str) -> str:
+    """The default --out of benchmark ``name``: ./bench-results/NAME, relative to the working directory."""
+    return f"{RESULTS_ROOT}/{name}"
+
+
+# -- prompt files (no models) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    question_id: object  # as in the file (int or str)
+    category: str
+    prompt: str  # the first turn
+
+
+def load_questions(path: Path, limit_per_category: int) -> list[Question]:
+    """The first ``limit_per_category`` questions of each category, in file order; one clear
+    error for a missing file or a malformed line."""
+    check(limit_per_category >= 1, f"--limit-per-category must be >= 1, got {limit_per_category}")
+    check(path.exists(), f"prompts file {path} does not exist", NotFound)
+    check(path.is_file(), f"prompts file {path} is not a file")
+    questions: list[Question] = []
+    per_category: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_no}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgument(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            check(isinstance(item, dict), f"{where}: expected a JSON object with category and turns")
+            category, turns = item.get("category"), item.get("turns")
+            check(isinstance(category, str) and bool(category), f"{where}: missing or empty \"category\"")
+            check(isinstance(turns, list) and bool(turns) and isinstance(turns[0], str) and bool(turns[0].strip()),
+                  f"{where}: \"turns\" must be a non-empty list whose first turn is a non-empty string")
+            if per_category.get(category, 0) < limit_per_category:
+                per_category[category] = per_category.get(category, 0) + 1
+                questions.append(Question(item.get("question_id", line_no), category, turns[0]))
+    check(bool(questions), f"prompts file {path} holds no questions")
+    return questions
+
+
+def load_prompts(path: Path) -> list[tuple[str, str]]:
+    """(category, first turn) of every question of a well-formed file, in file order."""
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                item = json.loads(line)
+                out.append((item["category"], item["turns"][0]))
+    return out
+
+
+def parse_drafters(text: str) -> list[str]:
+    """Drafter specs of --drafters / --pool, checked against the registry before any model loads."""
+    from specpool.drafters.registry import drafter_kinds, known_spec
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    check(bool(specs), "--drafters is empty; give drafter specs such as ngram or ngram,hf:PATH")
+    check(len(set(specs)) == len(specs), f"--drafters names a drafter twice: {text}")
+    for spec in specs:
+        check(spec not in ("none", report.TARGET), "target-only decoding always runs; leave it out of --drafters")
+        if not known_spec(spec):
+            raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())} or a shipped zoo name")
+    return specs
+
+
+# -- the machine --------------------------------------------------------------------------------
+def machine_info(device: str) -> dict:
+    """CPU, cores, threads, library versions (and the GPU): every report states its machine."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile ``q`` in [0, 1] of non-empty ``values``."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary(values: list[float]) -> dict:
+    """Median with the interquartile range, as the timing reports give them."""
+    return {"median": statistics.median(values), "p25": percentile(values, 0.25), "p75": percentile(values, 0.75)}
