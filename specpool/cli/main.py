@@ -194,16 +194,20 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
 
 def _generate(engine, args: argparse.Namespace, drafter, pool, options, store, learn_before: dict | None) -> int:
     from specpool.cli.learning import finish_learning, learning_line
-    from specpool.services.engine import TextStreamer
 
     prompt_ids = engine.encode_prompt(args.prompt, raw=args.raw)
     params = _sampling_params(args, engine.stop_token_ids())
+    pieces: list[str] = []  # --json: the answer, printed at the end
 
-    streamer = None if args.json else TextStreamer(engine.tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    def write(text: str) -> None:  # streaming: each piece as soon as its characters are complete
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     trace_line = _trace_printer() if args.trace else None
     try:
-        result = engine.generate(prompt_ids, params, drafter, k=args.k, on_tokens=streamer, session_id=args.session,
-                                 policy=args.policy, pool=pool, tenant=args.tenant, policy_options=options, on_round=trace_line)
+        result = engine.generate(prompt_ids, params, drafter, k=args.k, session_id=args.session, policy=args.policy,
+                                 pool=pool, tenant=args.tenant, policy_options=options, on_round=trace_line,
+                                 on_text=pieces.append if args.json else write)
     finally:
         store.close()
     stats = {
@@ -217,10 +221,9 @@ def _generate(engine, args: argparse.Namespace, drafter, pool, options, store, l
     if learn_before is not None:  # --learn: apply this request's feedback and publish before exiting
         stats["learning"] = finish_learning(engine, args.tenant, learn_before)
     if args.json:
-        text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
+        print(json.dumps({"text": "".join(pieces), "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": stats}))
     else:
-        streamer.flush()
         print(
             f"\n[{stats['new_tokens']} new tokens, {stats['rounds']} rounds, "
             f"mean accepted length {stats['mean_accepted_length']:.2f}, {stats['tokens_per_s']:.1f} tokens/s, "

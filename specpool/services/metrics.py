@@ -1,4 +1,4 @@
-"""Served-mode metrics: raw counters per drafter and tenant, and histograms (DESIGN.md, convention 4).
+"""Served-mode metrics: raw counters per drafter and tenant, and histograms (docs/ARCHITECTURE.md).
 
 | metric | labels | what |
 |---|---|---|

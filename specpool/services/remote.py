@@ -1,7 +1,8 @@
 """Adapters that make the drafter and target deployments look local to the speculative loop.
 
-``RemoteDrafter`` implements the ``Drafter`` protocol and ``RemoteVerifier`` the loop's
-``Verifier`` protocol (plus ``release``) by calling a Ray Serve deployment with the messages of
+``RemoteDrafter`` implements the ``Drafter`` protocol and its optional capabilities ``Replayable``
+and ``PerRequestVersions`` (``specpool/drafters/base.py``), and ``RemoteVerifier`` the loop's
+``SessionVerifier`` protocol, by calling a Ray Serve deployment with the messages of
 ``protos/specpool/v1`` (``Drafter.Propose``/``Release``, ``Target.Verify``/``Release``). They
 block, so the router calls them from a worker thread, never from its event loop.
 
@@ -84,7 +85,7 @@ class DeploymentCaller:
 
 
 class RemoteVerifier:
-    """The target deployment as a ``Verifier``."""
+    """The target deployment as a ``SessionVerifier``."""
 
     def __init__(self, caller: DeploymentCaller):
         self.caller = caller
@@ -98,7 +99,7 @@ class RemoteVerifier:
 
 
 class RemoteDrafter:
-    """One drafter deployment as a ``Drafter``.
+    """One drafter deployment as a ``Drafter`` that is ``Replayable`` and ``PerRequestVersions``.
 
     Learned versions (online learning): between ``begin_request`` and ``end_request`` of a
     session, the first Propose lets the replica choose the tenant's serving version and every

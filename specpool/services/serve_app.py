@@ -41,7 +41,8 @@ How the pieces talk (see also ``specpool/services/remote.py``):
   handler and run as one ``TargetVerifier.verify_batch`` forward.
 - **Deadlines and cancellation**: a client's deadline or cancel makes the gRPC proxy cancel the
   router's request; the router then stops its loop before the next round and releases the
-  session's KV caches in the target and every drafter it used (``RouterCore.run``).
+  session's KV caches in the target and every drafter it used (``Orchestrator.run``,
+  ``specpool/services/orchestrator.py``: the same request path as the embedded engine).
 """
 
 from __future__ import annotations
@@ -55,16 +56,33 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
+import ray
+import torch
+from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from transformers import AutoTokenizer
 
 from specpool.core.errors import NotFound
+from specpool.drafters.base import Replayable
+from specpool.drafters.registry import DrafterContext, create_drafter
+from specpool.learning.feedback import FeedbackEmitter
+from specpool.learning.feedback_redis import RedisFeedbackStream
+from specpool.learning.hot_swap import ServedVariants, learnable
+from specpool.learning.model_store import open_model_store
+from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
+from specpool.services.config import settings_from_env
 from specpool.services.direct import DirectEndpoint, DirectRoutes
-from specpool.v1 import common_pb2, drafter_pb2, specpool_pb2, target_pb2
+from specpool.services.metrics import RayMetrics
+from specpool.services.orchestrator import EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, ServedDrafters
+from specpool.services.remote import DeploymentCaller, RemoteDrafter, RemoteVerifier
 from specpool.services.serve_config import REPLICA_SWITCH_INTERVAL_S, DrafterArgs, RouterArgs, TargetArgs
 from specpool.services.status import grpc_status
+from specpool.target.models import ModelConfig, check_same_tokenizer, load_causal_lm, resolve_model, stop_token_ids
+from specpool.target.verifier import TargetVerifier
+from specpool.v1 import common_pb2, drafter_pb2, specpool_pb2, target_pb2
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,8 +98,6 @@ def _session_affinity() -> RequestRouterConfig:
 
 
 def _set_threads(threads: int) -> None:
-    import torch
-
     torch.set_num_threads(threads)
 
 
@@ -99,15 +115,11 @@ def _quick_thread_switches() -> None:
 
 
 def _home():
-    from specpool.services.config import settings_from_env
-
     return settings_from_env().home
 
 
 def _replica() -> dict:
     """Which replica answered: its Ray actor name (namespace "serve") and replica id (tests)."""
-    import ray
-
     return {"actor_name": ray.get_runtime_context().get_actor_name(),
             "replica_id": serve.get_replica_context().replica_id.unique_id}
 
@@ -125,9 +137,6 @@ class TargetServer:
     """``specpool.v1.Target``: verification of concurrent sessions' rounds, batched."""
 
     def __init__(self, args: TargetArgs):
-        from specpool.target.models import ModelConfig, load_causal_lm, stop_token_ids
-        from specpool.target.verifier import TargetVerifier
-
         _set_threads(args.threads)
         _quick_thread_switches()
         self.args = args
@@ -190,20 +199,9 @@ class TargetServer:
             self._model_free.set()
 
     def _run_batch(self, requests: list) -> list:
-        from specpool.core.errors import SpecpoolError
-
         self._batch_sizes[len(requests)] += 1
         self._live.update(r.session_id for r in requests)
-        verify_batch = getattr(self.verifier, "verify_batch", None)
-        if verify_batch is not None:
-            return list(verify_batch(requests))
-        results: list = []
-        for request in requests:  # until TargetVerifier.verify_batch exists: one forward each
-            try:
-                results.append(self.verifier.verify(request))
-            except SpecpoolError as exc:
-                results.append(exc)
-        return results
+        return list(self.verifier.verify_batch(requests))  # a failed request's entry is its SpecpoolError
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         self._expected.discard(request.session_id)  # no more rounds to wait for
@@ -211,14 +209,10 @@ class TargetServer:
         return common_pb2.ReleaseResponse(released=await loop.run_in_executor(self._model_thread, self._release, request.session_id))
 
     def _release(self, session_id: str) -> bool:
-        held = session_id in self._live or session_id in self._cached_sessions()
+        held = session_id in self._live or session_id in self.verifier.caches.sessions()
         self.verifier.release(session_id)
         self._live.discard(session_id)
         return held
-
-    def _cached_sessions(self) -> set[str]:
-        # SessionCaches keeps its caches in an OrderedDict keyed by session; read-only peek.
-        return set(getattr(self.verifier.caches, "_caches", {}))
 
     async def Info(self) -> dict:
         return dict(self.info)
@@ -226,7 +220,7 @@ class TargetServer:
     async def Sessions(self) -> list[str]:
         """Sessions whose KV cache this replica holds."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._model_thread, lambda: sorted(self._cached_sessions()))
+        return await loop.run_in_executor(self._model_thread, lambda: sorted(self.verifier.caches.sessions()))
 
     async def Stats(self) -> dict:
         """Batches run by size: {size: count}; calls that came over the direct route."""
@@ -250,17 +244,12 @@ class DrafterServer:
     """``specpool.v1.Drafter``: one drafter proposing tokens and the q they were sampled from."""
 
     def __init__(self, args: DrafterArgs):
-        from specpool.drafters.registry import DrafterContext, create_drafter
-
         _set_threads(args.threads)
         _quick_thread_switches()
         self.args = args
         self.drafter = create_drafter(args.name, DrafterContext(_home(), args.target, args.device, args.dtype))
         self.variants = None  # learned versions per tenant (online learning), when a model store is set
         if args.model_store is not None:
-            from specpool.learning.hot_swap import ServedVariants, learnable
-            from specpool.learning.model_store import open_model_store
-
             if learnable(self.drafter):
                 self.variants = ServedVariants(self.drafter, open_model_store(args.model_store), args.learn_shared, args.refresh_s)
             else:
@@ -306,8 +295,10 @@ class DrafterServer:
 
     def _replay(self, args) -> int | None:
         self._live.add(args.session_id)  # a replay warms the session's cache: Release frees it
-        replay = getattr(self._pick(args)[1], "replay", None)
-        return replay(args.session_id, args.context_ids, args.continuation, args.k, args.params) if replay is not None else None
+        drafter = self._pick(args)[1]
+        if not isinstance(drafter, Replayable):
+            return None
+        return drafter.replay(args.session_id, args.context_ids, args.continuation, args.k, args.params)
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         loop = asyncio.get_running_loop()
@@ -357,15 +348,6 @@ class RouterServer:
     bandit state per session in Redis, the target and drafters called through their deployments."""
 
     async def __init__(self, args: RouterArgs):
-        import ray
-        from transformers import AutoTokenizer
-
-        from specpool.router.session_store import RedisSessionStore
-        from specpool.services.metrics import RayMetrics
-        from specpool.services.remote import DeploymentCaller, RemoteDrafter, RemoteVerifier
-        from specpool.services.router_core import ModelInfo, RouterCore, RouterSettings
-        from specpool.target.models import check_same_tokenizer, resolve_model
-
         _quick_thread_switches()  # request threads and Serve's loop hand over on every model call
         self.args = args
         self.store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
@@ -394,37 +376,33 @@ class RouterServer:
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
-        self.core = RouterCore(
+        self.core = Orchestrator(
             tokenizer,
             ModelInfo(info["model"], tuple(info["stop_token_ids"]), info["context_window"], info["tokenizer_fingerprint"]),
-            drafters,
+            ServedDrafters(drafters),
             RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"))),
             self.store,
-            RouterSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta,
-                           probe_rounds=args.probe_rounds),
+            OrchestratorSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta,
+                                 probe_rounds=args.probe_rounds),
             RayMetrics(),
-            feedback=self._feedback_emitter(args),
-            feedback_top_k=args.feedback_top_k,
-            feedback_opt_out=frozenset(args.feedback_opt_out),
+            feedback=self._feedback(args),
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
 
     @staticmethod
-    def _feedback_emitter(args: RouterArgs):
+    def _feedback(args: RouterArgs) -> EmittedFeedback | None:
         """Online learning: verification feedback to a Redis stream for `specpool learner`."""
         if not args.feedback:
             return None
-        from specpool.learning.feedback import FeedbackEmitter
-        from specpool.learning.feedback_redis import RedisFeedbackStream
-
-        return FeedbackEmitter(RedisFeedbackStream(args.redis_url, stream=args.feedback_stream))
+        emitter = FeedbackEmitter(RedisFeedbackStream(args.redis_url, stream=args.feedback_stream))
+        return EmittedFeedback(emitter, args.feedback_top_k, frozenset(args.feedback_opt_out))
 
     async def Feedback(self) -> dict:
         """Feedback records emitted, rounds skipped and emit errors of this replica (tests, ops)."""
-        emitter = self.core.feedback
-        if emitter is None:
+        if not isinstance(self.core.feedback, EmittedFeedback):
             return {"enabled": False}
+        emitter = self.core.feedback.emitter
         return {"enabled": True, "emitted": emitter.emitted, "skipped": emitter.skipped, "errors": emitter.errors}
 
     # -- errors: the one mapping --------------------------------------------------------------------
@@ -452,7 +430,7 @@ class RouterServer:
                 outcome = await asyncio.shield(future)
             except asyncio.CancelledError:
                 # Client cancel or deadline: the loop stops before its next round and frees the
-                # session's caches (RouterCore.run); wait for it so the work has really stopped.
+                # session's caches (Orchestrator.run); wait for it so the work has really stopped.
                 stop.set()
                 await asyncio.wait([future])
                 raise
@@ -499,8 +477,6 @@ class RouterServer:
 
     # -- grpc.health.v1.Health ----------------------------------------------------------------------
     async def Check(self, request, grpc_context: Any = None):
-        from grpc_health.v1 import health_pb2
-
         if request.service not in ("", SPECPOOL_SERVICE):
             self._fail(NotFound(f"unknown service {request.service!r}; this server has {SPECPOOL_SERVICE!r}"), grpc_context)
         return health_pb2.HealthCheckResponse(status=await self._serving())
@@ -508,15 +484,11 @@ class RouterServer:
     async def Watch(self, request, grpc_context: Any = None):
         """The current status, once (Serve's proxy cannot keep a watch open without holding a
         router slot; clients poll Check instead)."""
-        from grpc_health.v1 import health_pb2
-
         if request.service not in ("", SPECPOOL_SERVICE):
             self._fail(NotFound(f"unknown service {request.service!r}; this server has {SPECPOOL_SERVICE!r}"), grpc_context)
         yield health_pb2.HealthCheckResponse(status=await self._serving())
 
     async def _serving(self) -> int:
-        from grpc_health.v1 import health_pb2
-
         loop = asyncio.get_running_loop()
         try:  # the router's own dependency; the model servers are Serve's to watch
             await loop.run_in_executor(self._rounds, self.store.read, self._probe_key())
@@ -526,8 +498,6 @@ class RouterServer:
 
     @staticmethod
     def _probe_key():
-        from specpool.router.session_store import SessionKey
-
         return SessionKey("health", "probe")
 
     # -- introspection (deployment handles only; not on the gRPC API) ------------------------------

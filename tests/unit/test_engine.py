@@ -7,7 +7,7 @@ import torch
 
 from specpool.drafters.ngram import NGramDrafter
 from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound
-from specpool.services.engine import EmbeddedEngine, EngineConfig, TextStreamer
+from specpool.services.engine import EmbeddedEngine, EngineConfig
 from specpool.target.models import (
     ModelConfig,
     check_same_tokenizer,
@@ -158,34 +158,14 @@ def test_engine_bad_target(tmp_path, home):
         EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(tmp_path / "nothing-here"))))
 
 
-# -- TextStreamer -----------------------------------------------------------------------------------
+# -- streamed text ----------------------------------------------------------------------------------
 
 
-def test_text_streamer_writes_only_new_text(target_lm):
-    _, tokenizer = target_lm
-    written: list[str] = []
-    streamer = TextStreamer(tokenizer, written.append)
-    ids = tokenizer.convert_tokens_to_ids(["the", "cat", "sat", "on", "the", "mat"])
-    for chunk in ([ids[0]], ids[1:3], [], [2], ids[3:]):  # 2 = </s>, skipped in text
-        streamer(chunk)
-    streamer.flush()
-    assert "".join(written) == tokenizer.decode(ids[:3] + [2] + ids[3:], skip_special_tokens=True)
-    assert "".join(written) == "the cat sat on the mat"
-    assert all(written)  # no empty writes
-
-
-class FakeByteTokenizer:
-    """Decodes UTF-8 bytes, showing U+FFFD for an incomplete character, like byte-level BPE."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def test_text_streamer_holds_back_incomplete_characters():
-    written: list[str] = []
-    streamer = TextStreamer(FakeByteTokenizer(), written.append)
-    data = "aé€".encode()  # 1 + 2 + 3 bytes
-    for b in data:
-        streamer([b])
-    streamer.flush()
-    assert written == ["a", "é", "€"]
+def test_engine_on_text_streams_the_decoded_output(engine):
+    """The CLI's streaming: the pieces, as they come, add up to the decoded output (the
+    incremental detokenizer itself: tests/unit/test_detokenize.py)."""
+    pieces, rounds = [], []
+    result = engine.generate(engine.encode_prompt("the cat sat on the mat the cat sat"), SamplingParams(max_new_tokens=12),
+                             "ngram", k=3, on_text=pieces.append, on_tokens=rounds.append)
+    assert "".join(pieces) == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert all(pieces) and len(pieces) <= len(rounds) == len(result.rounds)

@@ -1,6 +1,7 @@
-"""The served router's per-request core (specpool/services/router_core.py) over in-process tiny models:
-the same output as the embedded engine, streaming chunks that add up, stop strings, one request
-per session, and cancellation that stops the loop and frees the session's caches everywhere."""
+"""The request orchestrator (specpool/services/orchestrator.py) as the served router sets it up, over
+in-process tiny models: the same output as the embedded engine, streaming chunks that add up, stop
+strings, one request per session, and cancellation that stops the loop and frees the session's
+caches everywhere."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.drafters.ngram import NGramDrafter
 from specpool.core.errors import Cancelled, InvalidArgument, NotFound, SessionBusy
-from specpool.router.session_store import InMemorySessionStore, SessionKey
+from specpool.router.session_store import InMemorySessionStore
 from specpool.services.api import GenerationSpec
 from specpool.services.metrics import PrometheusMetrics
-from specpool.services.router_core import Detokenizer, ModelInfo, RouterCore, RouterSettings
+from specpool.services.orchestrator import (EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings,
+                                            ServedDrafters)
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier
 
@@ -48,7 +50,8 @@ def parts(target_lm, noisy_lm):
     drafters = {"ngram": Recording(NGramDrafter()), "noisy": Recording(HFModelDrafter("noisy", *noisy_lm))}
     info = ModelInfo("tiny", (tokenizer.eos_token_id,), verifier.context_window, verifier.tokenizer_fingerprint)
     metrics = PrometheusMetrics()
-    core = RouterCore(tokenizer, info, drafters, verifier, InMemorySessionStore(), RouterSettings(k=4, max_new_tokens=24), metrics)
+    core = Orchestrator(tokenizer, info, ServedDrafters(drafters), verifier, InMemorySessionStore(),
+                        OrchestratorSettings(k=4, max_new_tokens=24), metrics)
     return core, verifier, drafters, metrics
 
 
@@ -86,7 +89,7 @@ def test_stream_chunks_add_up_to_the_answer(parts):
 def test_a_normal_finish_keeps_the_caches_for_the_next_request(parts):
     core, verifier, drafters, _ = parts
     core.run(core.prepare(spec(session_id="keep")))
-    assert "keep" in verifier.caches._caches
+    assert "keep" in verifier.caches.sessions()
     assert not any(d.released for d in drafters.values())
 
 
@@ -115,7 +118,7 @@ def test_cancel_stops_the_loop_and_releases_every_cache(parts):
     with pytest.raises(Cancelled, match="cancelled"):
         core.run(core.prepare(spec(session_id="gone", tenant="acme", policy="fixed:noisy")), on_chunk, stop.is_set)
     assert len(chunks) == 1  # no round after the cancel
-    assert "gone" not in verifier.caches._caches
+    assert "gone" not in verifier.caches.sessions()
     assert drafters["noisy"].released == ["gone"]
     assert core.active_sessions() == []
     assert metrics.registry.get_sample_value("specpool_requests_total", {"tenant": "acme", "status": "CANCELLED"}) == 1
@@ -178,24 +181,6 @@ def test_metrics_count_rounds_and_tokens_per_drafter(parts):
     assert value("specpool_round_seconds_count", {"tenant": "t1", "drafter": "ngram", "part": "verify"}) == rounds
 
 
-class _Decode:
-    """A decoder whose characters are the ids' letters; id 9 is half of a two-byte character."""
-
-    def __call__(self, ids):
-        text = "".join("abcdefgh"[i] if i < 8 else "" for i in ids)
-        return text + ("\ufffd" if ids and ids[-1] == 9 else "")
-
-
-def test_detokenizer_holds_back_incomplete_text_and_stops():
-    d = Detokenizer(_Decode(), stop=("cd",))
-    assert d.add([0, 1]).text == "ab"
-    assert d.add([9]).text == ""  # incomplete: held back
-    chunk = d.add([2, 3, 4])  # "cd" completes at id 3: id 4 is not taken
-    assert chunk.token_ids == [2, 3] and d.hit
-    assert d.add([5]).token_ids == []
-    assert d.token_ids == [0, 1, 9, 2, 3]
-
-
 def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
     """Served online learning: each round that drafted becomes a record with the target's top-K p
     (as the learner reads it); the answer is the same as without feedback; opted-out tenants send nothing."""
@@ -204,13 +189,14 @@ def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
     core, *_ = parts
     reference = core.run(core.prepare(spec(session_id="plain", tenant="acme")))
     stream = InProcessFeedbackStream(1000)
-    core.feedback, core.feedback_top_k, core.feedback_opt_out = FeedbackEmitter(stream, context_tail=16), 8, frozenset({"quiet"})
+    emitter = FeedbackEmitter(stream, context_tail=16)
+    core.feedback = EmittedFeedback(emitter, top_k=8, opt_out=frozenset({"quiet"}))
     outcome = core.run(core.prepare(spec(session_id="taught", tenant="acme")))
     assert outcome.token_ids == reference.token_ids
     records = [FeedbackRecord.decode(d.payload) for d in stream.read("learner", 1000)]
     drafted = outcome.stats.rounds_by_drafter
-    assert len(records) == core.feedback.emitted > 0 and core.feedback.errors == 0
-    assert len(records) + core.feedback.skipped <= outcome.stats.rounds
+    assert len(records) == emitter.emitted > 0 and emitter.errors == 0
+    assert len(records) + emitter.skipped <= outcome.stats.rounds
     assert sum(len(r.draft) for r in records) == outcome.stats.draft_tokens  # every drafted round, once
     assert sum(r.accepted for r in records) == outcome.stats.accepted_tokens
     for r in records:
@@ -218,4 +204,4 @@ def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
         assert len(r.target_ids) == len(r.draft) + 1 and all(len(row) == 8 for row in r.target_ids)
         assert 0 < len(r.context) <= 16
     core.run(core.prepare(spec(session_id="q", tenant="quiet")))
-    assert stream.read("learner", 1000) == [] and core.feedback.emitted == len(records)
+    assert stream.read("learner", 1000) == [] and emitter.emitted == len(records)
