@@ -6,7 +6,7 @@ preconditioners were chosen with this replay instead (then checked by one real r
     python scripts/online_replay.py build --limit 150 --max-new-tokens 64 --out /tmp/stream.pt   # ~4 min
     python scripts/online_replay.py run /tmp/stream.pt --drafter chat --config '{"lr": 0.002}'  # ~4 min
 
-``build`` stores, per prompt of bench/online.py's stream, the target's greedy answer and its top-20
+``build`` stores, per prompt of bench/online_stream.py's stream, the target's greedy answer and its top-20
 p at every answer position (and at every prompt position, for --prefill). ``run`` walks the
 stream in order. For each prompt it first *simulates* greedy speculative decoding at k = 5 with
 the current drafter, with one teacher-forced drafter pass: a round starting at answer position t
@@ -73,7 +73,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-K = 5  # draft length
+from specpool.core.defaults import DEFAULT_K  # noqa: E402 (after the checkout is on the path)
+
+K = DEFAULT_K  # draft length
 TOP_K = 20  # entries of the target's p per position, as the learner's records carry
 CONTEXT_TAIL = 64  # context tokens a record keeps (LearningConfig.context_tail)
 HOLDOUT_EVERY = 8  # one record in this many is held out (LearningConfig.holdout_every)
@@ -82,7 +84,7 @@ HOLDOUT_EVERY = 8  # one record in this many is held out (LearningConfig.holdout
 def build(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from bench.online import stream_prompts
+    from bench.online_stream import stream_prompts
     from specpool.services.config import settings_from_env
     from specpool.target.models import DEFAULT_TARGET, ModelConfig, chat_prompt_ids, load_causal_lm
 
@@ -177,16 +179,54 @@ def record(context: list[int], draft: list[int], ids: torch.Tensor, probs: torch
                            target_ids=tuple(map(tuple, ids.tolist())), target_probs=tuple(map(tuple, probs.tolist())))
 
 
+def round_records(item: dict, rounds: list[tuple[int, int]], rejected: list[int | None] | None,
+                  off_path: dict[int, tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
+                  counted: int, session: str) -> tuple[list[SimpleNamespace], int]:
+    """The feedback records of one prompt's verified rounds (--records decides what each holds),
+    less the held-out ones: one round in HOLDOUT_EVERY, counted over the whole stream from
+    ``counted``. Returns (records, the new count)."""
+    full, n = item["prompt"] + item["output"], len(item["output"])
+    records = []
+    for r, (t, accepted) in enumerate(rounds):  # one record per verified round
+        counted += 1
+        if r in off_path:  # as served: the accepted tokens, the rejected one, and p after each
+            ids, p = off_path[r]
+            draft = [*item["output"][t:t + accepted], rejected[r]]
+            rows = (torch.cat([item["top_ids"][t:t + accepted + 1], ids[None]]),
+                    torch.cat([item["top_p"][t:t + accepted + 1], p[None]]))
+        else:
+            # path: k tokens from each round start; drafted: the accepted ones and the target's
+            # next; served: the accepted ones (a draft that ended unrejected), p after each and the bonus
+            width = min({"path": K, "drafted": accepted + 1, "served": accepted}[args.records], n - t - 1)
+            if width <= 0:
+                continue
+            draft, accepted = item["output"][t:t + width], width
+            rows = item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]
+        if counted % HOLDOUT_EVERY:
+            records.append(record(full[: len(item["prompt"]) + t], draft, *rows, args.context_tail, accepted,
+                                  session=session))
+    return records, counted
+
+
+def prefill_records(item: dict) -> list[SimpleNamespace]:
+    """--prefill: the target's p on the prompt itself, as records of 32 positions each."""
+    prompt, records = item["prompt"], []
+    for s in range(1, len(prompt) - 1, 32):
+        e = min(s + 32, len(prompt) - 1)
+        records.append(record(prompt[:s], prompt[s:e], item["prompt_top_ids"][s - 1:e], item["prompt_top_p"][s - 1:e]))
+    return records
+
+
 def run(args: argparse.Namespace) -> None:
-    from specpool.learning.online import OnlineConfig, OnlineDrafterLearner, ZooEnsembleLM
-    from specpool.drafters.zoo import load_zoo_model
+    from specpool.learning.ensemble import ZooEnsembleLM
+    from specpool.learning.online import OnlineConfig, OnlineDrafterLearner
+    from specpool.drafters.zoo import load_zoo_model, zoo_folder
     from specpool.services.config import settings_from_env
     from specpool.target.models import DEFAULT_TARGET
 
     torch.manual_seed(0)
     stream = torch.load(args.stream, weights_only=False)
-    folder = Path(__file__).resolve().parents[1] / "drafters" / "zoo" / args.drafter
-    base, _ = load_zoo_model(folder, settings_from_env().home, args.target or DEFAULT_TARGET)
+    base, _ = load_zoo_model(zoo_folder(args.drafter), settings_from_env().home, args.target or DEFAULT_TARGET)
     learner = None if args.frozen else OnlineDrafterLearner(base, OnlineConfig(**json.loads(args.config)))
     target = None
     if args.records == "served":
@@ -211,32 +251,10 @@ def run(args: argparse.Namespace) -> None:
         per_prompt.append((len(item["output"]), len(rounds)))
         if learner is None:
             continue
-        full, n = item["prompt"] + item["output"], len(item["output"])
-        records = []
         off_path = off_path_rows(target, item, rounds, rejected) if rejected is not None else {}
-        for r, (t, accepted) in enumerate(rounds):  # one record per verified round
-            counted += 1
-            if r in off_path:  # as served: the accepted tokens, the rejected one, and p after each
-                ids, p = off_path[r]
-                draft = [*item["output"][t:t + accepted], rejected[r]]
-                rows = (torch.cat([item["top_ids"][t:t + accepted + 1], ids[None]]),
-                        torch.cat([item["top_p"][t:t + accepted + 1], p[None]]))
-            else:
-                # path: k tokens from each round start; drafted: the accepted ones and the target's
-                # next; served: the accepted ones (a draft that ended unrejected), p after each and the bonus
-                width = min({"path": K, "drafted": accepted + 1, "served": accepted}[args.records], n - t - 1)
-                if width <= 0:
-                    continue
-                draft, accepted = item["output"][t:t + width], width
-                rows = item["top_ids"][t:t + width + 1], item["top_p"][t:t + width + 1]
-            if counted % HOLDOUT_EVERY:
-                records.append(record(full[: len(item["prompt"]) + t], draft, *rows, args.context_tail, accepted,
-                                      session=str(len(per_prompt))))
-        if args.prefill:  # the target's p on the prompt itself, in chunks of 32 positions
-            prompt = item["prompt"]
-            for s in range(1, len(prompt) - 1, 32):
-                e = min(s + 32, len(prompt) - 1)
-                records.append(record(prompt[:s], prompt[s:e], item["prompt_top_ids"][s - 1:e], item["prompt_top_p"][s - 1:e]))
+        records, counted = round_records(item, rounds, rejected, off_path, args, counted, session=str(len(per_prompt)))
+        if args.prefill:
+            records.extend(prefill_records(item))
         learn_started = time.perf_counter()
         for _ in range(args.epochs):
             for s in range(0, len(records), args.batch_records):

@@ -14,19 +14,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
-from specpool.core.errors import InvalidArgument, check
-
-ALGORITHMS = ("ogd", "optimistic", "hedge")
+from specpool.core.errors import InvalidArgument, NotFound, StoreUnavailable, check
 
 
 def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -> None:
     """The learning options. ``flag`` True (``generate``): behind ``--learn``, with the aliases
     ``--learner-algo`` and ``--model-store``; False (``learner``): always on, with the short names
     ``--algo``, ``--store``, ``--lr``, ... besides the ``--learn-*`` ones."""
+    from specpool.learning.online import ALGORITHMS, SUPERVISION, OnlineConfig
+
     group = parser.add_argument_group("online learning (drafters learn from verification feedback)")
 
     def names(long: str, short: str | None = None, alias: str | None = None) -> list[str]:
@@ -41,8 +43,6 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
     group.add_argument(*names("--learn-algorithm", "--algo", "--learner-algo"), dest="learn_algorithm",
                        choices=ALGORITHMS, default="ogd",
                        help="online algorithm: ogd, optimistic (optimistic OGD) or hedge (ensemble of step sizes); default ogd")
-    from specpool.learning.online import SUPERVISION, OnlineConfig
-
     online = OnlineConfig()  # its defaults are the options' defaults
     group.add_argument(*names("--learn-lr", "--lr"), dest="learn_lr", type=float, default=None, metavar="LR",
                        help=f"step size of ogd / optimistic (default {online.lr})")
@@ -102,10 +102,8 @@ def add_learning_arguments(parser: argparse.ArgumentParser, flag: bool = True) -
 def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...] | None = None, **settings):
     """The LearningConfig the options describe (``settings``: other LearningConfig fields), or
     None when ``--learn`` is off."""
-    from dataclasses import replace
-
+    from specpool.learning.learning_config import LearningConfig
     from specpool.learning.online import OnlineConfig, parse_step_sizes
-    from specpool.learning.learner import LearningConfig
 
     if not getattr(args, "learn", True):
         return None
@@ -169,8 +167,6 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _redis_hint(why: str, alternative: str):
     """An unreachable feedback Redis: one line saying why it is needed and what to do."""
-    from specpool.core.errors import StoreUnavailable
-
     try:
         yield
     except StoreUnavailable as exc:
@@ -216,14 +212,13 @@ def _progress_bar(args: argparse.Namespace):
 
 
 def run_learner_command(args: argparse.Namespace, settings) -> int:
-    import os
-
+    """``specpool learner``: the served learner process on the Redis feedback stream, until stopped
+    (SIGTERM, Ctrl-C), or ``--once`` the stream is empty, or ``--max-records`` are processed."""
     from specpool.learning.feedback_redis import RedisFeedbackStream
     from specpool.learning.model_store import open_model_store
     from specpool.drafters.registry import DrafterContext, known_spec
     from specpool.drafters.zoo import shipped_names
-    from specpool.core.errors import NotFound
-    from specpool.learning.learner import registry_base_models, run_learner
+    from specpool.learning.learner_process import registry_base_models, run_learner
     from specpool.target.models import DEFAULT_TARGET
 
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else tuple(shipped_names())
@@ -297,7 +292,8 @@ def learning_versions(engine, tenant: str, specs) -> dict[str, int]:
     A checkpoint in the store that this run's algorithm cannot continue is an error, before generating."""
     from specpool.learning.hot_swap import learnable
     from specpool.learning.model_store import VariantKey
-    from specpool.learning.learner import checkpoint_conflict, scope_for
+    from specpool.learning.learner_checkpoint import checkpoint_conflict
+    from specpool.learning.learning_config import scope_for
 
     learning = engine.learning
     scope = scope_for(learning.config, tenant)
@@ -317,7 +313,7 @@ def learning_versions(engine, tenant: str, specs) -> dict[str, int]:
 def finish_learning(engine, tenant: str, before: dict[str, int], timeout_s: float = 300.0) -> dict:
     """Apply the request's feedback, commit, stop the learner thread; the stats ``generate`` shows."""
     from specpool.learning.model_store import VariantKey
-    from specpool.learning.learner import scope_for
+    from specpool.learning.learning_config import scope_for
 
     learning = engine.learning
     committed = learning.commit_now(timeout_s)

@@ -77,7 +77,7 @@ class FeedbackRecord:
     created: float = 0.0  # unix time of the round
     # The session's tokens before the first draft token (the whole context's length; ``context``
     # is its tail). A session's records line up by it, so the learner can fit several of them as
-    # one sequence (specpool/learning/online.py, make_batch). None: not known (records of older servers).
+    # one sequence (specpool/learning/batches.py, make_batch). None: not known (records of older servers).
     position: int | None = None
 
     @property

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 
 from specpool.learning.model_store import SHARED_SCOPE, ModelStore, VariantKey
-from specpool.learning.online import build_served_model
+from specpool.learning.zoo_weights import build_served_model
 from specpool.drafters.zoo import ZooDrafter
 from specpool.drafters.zoo_model import ZooLM
 

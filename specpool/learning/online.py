@@ -44,24 +44,34 @@ and scale in the version's metadata). In a replay of the Tiny Shakespeare stream
 three points of mean accepted length on the last third, more with vocabulary growth (names from
 the prompt become proposable and then copyable).
 
-Pure math (``ogd_step``, ``optimistic_step``, ``hedge_update``, ``sparse_tv``) has no model and
-is unit-tested with tables of cases.
+This module owns the algorithms' configuration (``OnlineConfig``) and the learner of one drafter
+variant (``OnlineDrafterLearner``: its members, optimiser state, vocabulary growth, published
+tensors and checkpoint). Its parts live beside it in specpool/learning/:
+
+- online_updates.py: the update rules as pure math (OGD, optimistic OGD, AdaGrad, clipping, Hedge);
+- batches.py: feedback records as padded training batches (``make_batch``);
+- ensemble.py: the Hedge mixture as one drafter network (``ZooEnsembleLM``);
+- zoo_weights.py: trainable copies of a zoo network and the network of a published version
+  (``clone_zoo``, ``build_served_model``);
+- evaluation.py: BD on held-out records and the paired comparison of two versions.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from specpool.core.errors import InvalidArgument
+from specpool.drafters.zoo_model import ZooLM
+from specpool.learning.batches import FeedbackBatch, make_batch, vocab_map_for
+from specpool.learning.ensemble import mixture_log_probs, served_weights
 from specpool.learning.feedback import FeedbackRecord
-from specpool.drafters.zoo_model import KVCache, ZooConfig, ZooLM, ZooOutput, vocabulary_index
+from specpool.learning.online_updates import adagrad_scale, clip_grads, hedge_update, ogd_step, optimistic_step
 from specpool.learning.zoo_train import distillation_loss
-from specpool.core.errors import InvalidArgument, ModelUnavailable
+from specpool.learning.zoo_weights import clone_zoo, freeze_lower_blocks, load_own_state, own_state
 
 ALGORITHMS = ("ogd", "optimistic", "hedge")
 SUPERVISION = ("distribution", "argmax")  # OnlineConfig.supervision
@@ -156,413 +166,6 @@ class OnlineConfig:
             raise InvalidArgument(f"hedge_serve_min must be in [0, 1), got {self.hedge_serve_min}")
         if self.clip_norm <= 0 or self.hedge_eta < 0 or not 0 <= self.hedge_share < 1 or self.loss_cap <= 0:
             raise InvalidArgument("clip_norm and loss_cap must be > 0, hedge_eta >= 0, 0 <= hedge_share < 1")
-
-
-# --- pure math ----------------------------------------------------------------------------------
-
-
-def ogd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> None:
-    """w <- w - lr * g, in place."""
-    with torch.no_grad():
-        torch._foreach_add_(list(params), list(grads), alpha=-lr)
-
-
-def optimistic_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    previous: Sequence[torch.Tensor] | None, lr: float) -> None:
-    """w <- w - lr * (2 g_t - g_{t-1}), in place; ``previous`` None means no hint yet (g_0 := g_1)."""
-    if previous is None:
-        ogd_step(params, grads, lr)
-        return
-    with torch.no_grad():
-        for p, g, h in zip(params, grads, previous):
-            p.sub_(2 * g - h, alpha=lr)
-
-
-def clip_grads(grads: Sequence[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
-    """The gradients scaled to at most ``max_norm`` global L2 norm (non-finite ones zeroed)."""
-    grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-    # (torch._foreach_*: one call over all tensors; a step's elementwise work is a good part of
-    # a small drafter's learning cost.)
-    norm = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads))) if grads else 0.0
-    scale = min(1.0, max_norm / (norm + 1e-12))
-    if scale < 1.0:
-        torch._foreach_mul_(grads, scale)  # the nan_to_num copies are ours to scale
-    return grads
-
-
-def adagrad_scale(grads: Sequence[torch.Tensor], accumulated: list[torch.Tensor] | None,
-                  eps: float = 1e-8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Diagonal AdaGrad: G <- G + g^2, g <- g / (sqrt(G) + eps). Returns (scaled gradients, new G);
-    ``accumulated`` None starts from G = 0."""
-    grads = list(grads)
-    if accumulated is None:
-        accumulated = [torch.zeros_like(g) for g in grads]
-    new = list(torch._foreach_addcmul(accumulated, grads, grads))  # G + g^2, new tensors (G is not changed)
-    denominators = torch._foreach_sqrt(new)
-    torch._foreach_add_(denominators, eps)
-    return list(torch._foreach_div(grads, denominators)), new
-
-
-def hedge_update(weights: torch.Tensor, losses: torch.Tensor, eta: float, share: float = 0.0) -> torch.Tensor:
-    """Hedge (Freund & Schapire 1997): w_i <- w_i exp(-eta l_i) / Z, then fixed share
-    (Herbster & Warmuth 1998): w <- (1 - share) w + share / M. ``weights`` (M,) sum to 1."""
-    log_w = torch.log(weights.double().clamp_min(1e-300)) - eta * losses.double()  # (M,)
-    w = torch.softmax(log_w, dim=0)
-    w = (1.0 - share) * w + share / len(w)
-    return w.to(weights.dtype)
-
-
-def sparse_tv(p_ids: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """TV(p, q) when p is known only on its top-K: the lower bound that puts p's unknown rest
-    where q's rest is, 1/2 (sum_K |p_i - q_i| + |(1 - sum_K p) - (1 - sum_K q)|).
-
-    p_ids (N, K) indices into q's last axis, -1 where q has no such entry (q = 0 there);
-    p (N, K); q (N, V). Returns (N,).
-    """
-    present = p_ids >= 0
-    q_on = q.gather(-1, p_ids.clamp_min(0)) * present  # (N, K)
-    inside = (p - q_on).abs().sum(-1)
-    rest = ((1.0 - p.sum(-1)) - (1.0 - q_on.sum(-1))).abs()
-    return 0.5 * (inside + rest)
-
-
-# --- batches of records -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FeedbackBatch:
-    inputs: torch.Tensor  # (B, L) context tail + draft, right-padded
-    ids: torch.Tensor  # (B, L, K) target top-K mapped into the reduced vocabulary, -1 outside
-    probs: torch.Tensor  # (B, L, K)
-    mask: torch.Tensor  # (B, L) positions with at least one target token inside the vocabulary
-
-    @property
-    def positions(self) -> int:
-        return int(self.mask.sum())
-
-
-def vocab_map_for(model: nn.Module) -> torch.Tensor:
-    """(V,) full token id -> reduced-vocabulary index, -1 where the drafter (a ZooLM or a
-    ZooEnsembleLM) cannot propose it."""
-    return vocabulary_index(model.vocab_ids.cpu(), model.vocab_size) - 1
-
-
-def batch_sequences(records: Sequence[FeedbackRecord], bonus: bool = True,
-                    merge: bool = False) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
-    """The token sequences a batch fits: [(tokens, [(t, record index, row j)])], row j of the
-    record's target p sitting at position t (its logits predict the token after t).
-
-    Unmerged, each record is one sequence, context + draft. ``merge`` joins the records of one
-    session whose positions (``FeedbackRecord.position``) line up - each one's context continuing
-    the previous ones' tokens - into one sequence: the first one's context, the later contexts'
-    new tokens, and the last one's draft. A record's rows whose draft prefix is the sequence (its
-    accepted tokens and the target's next) keep their place in it; the rows after a rejected
-    draft token (off the session's path) are dropped, except the last record's. Successive
-    records of a session share most of their context, so four of them fit in about a quarter of
-    the tokens: that is the learner's cost. Records without a position stay on their own."""
-
-    def first_draft_token(r) -> int:  # its index in the session (in its own record without a position)
-        position = getattr(r, "position", None)
-        return position if position is not None else len(r.context)
-
-    # Each chain: (record indices, tokens, the session index of tokens[0]).
-    chains: list[tuple[list[int], list[int], int]] = []
-    sessions: dict[tuple[str, str], list[int]] = {}
-    for i, r in enumerate(records):
-        if merge and getattr(r, "position", None) is not None:
-            sessions.setdefault((r.tenant, r.session), []).append(i)
-        else:
-            chains.append(([i], list(r.context), first_draft_token(r) - len(r.context)))
-    merged: list[tuple[list[int], list[int], int]] = []
-    for members in sessions.values():
-        session_first = len(merged)  # chains from here on are this session's
-        for i in sorted(members, key=lambda i: records[i].position):
-            r = records[i]
-            r_start = r.position - len(r.context)
-            if len(merged) > session_first:
-                chain, tokens, start = merged[-1]
-                end = start + len(tokens)
-                if start <= r_start <= end <= r.position and tokens[r_start - start:] == list(r.context[: end - r_start]):
-                    tokens.extend(r.context[end - r_start:])
-                    chain.append(i)
-                    continue
-            merged.append(([i], list(r.context), r_start))
-    out = []
-    for chain, tokens, start in merged + chains:
-        tokens = tokens + list(records[chain[-1]].draft)
-        rows, taken = [], set()
-        for i in chain:
-            r = records[i]
-            at = first_draft_token(r) - start  # the index of its first draft token in ``tokens``
-            for j in range(len(r.target_ids) if bonus else len(r.draft)):
-                if i != chain[-1] and tokens[at: at + j] != list(r.draft[:j]):
-                    break  # off the path from here on
-                t = at - 1 + j
-                if t not in taken:
-                    taken.add(t)
-                    rows.append((t, i, j))
-        out.append((tokens, rows))
-    return out
-
-
-def make_batch(records: Sequence[FeedbackRecord], vocab_map: torch.Tensor, bonus: bool = True,
-               argmax: bool = False, merge: bool = False) -> FeedbackBatch:
-    """Records as one padded batch. Logits at position t predict token t+1, so the target's row j
-    (the token after context + draft[:j]) sits at t = len(context) - 1 + j. ``bonus`` False
-    leaves out the last row (BD is defined over the k draft positions only). ``argmax`` keeps
-    only each row's most likely token, with p = 1 (hard labels; K = 1). ``merge``: a session's
-    records that line up share one sequence (``batch_sequences``)."""
-    sequences = batch_sequences(records, bonus, merge)
-    length = max(len(tokens) for tokens, _ in sequences)
-    width = 1 if argmax else max(len(row) for r in records for row in r.target_ids)
-    inputs = torch.zeros(len(sequences), length, dtype=torch.long)
-    ids = torch.full((len(sequences), length, width), -1, dtype=torch.long)
-    probs = torch.zeros(len(sequences), length, width)
-    for b, (tokens, rows) in enumerate(sequences):
-        inputs[b, : len(tokens)] = torch.tensor(tokens)
-        for t, i, j in rows:
-            r = records[i]
-            row, p = torch.tensor(r.target_ids[j]), torch.tensor(r.target_probs[j])
-            if argmax and len(row):
-                top = int(p.argmax())
-                row, p = row[top: top + 1], torch.ones(1)
-            ids[b, t, : len(row)] = vocab_map[row]
-            probs[b, t, : len(row)] = p
-    mask = (ids >= 0).any(-1)  # (B, L)
-    return FeedbackBatch(inputs, ids, probs, mask)
-
-
-def served_weights(weights: torch.Tensor, minimum: float) -> torch.Tensor:
-    """Hedge weights (M,) with those below ``minimum`` set to 0 (the largest always kept), renormalised."""
-    kept = torch.where(weights >= minimum, weights, torch.zeros_like(weights))
-    top = int(weights.argmax())
-    kept[top] = weights[top]
-    return kept / kept.sum()
-
-
-def mixture_log_probs(logits: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """log q of the mixture q = sum_i w_i softmax(logits_i), from each member's logits (..., V_r)."""
-    if len(logits) == 1:
-        return F.log_softmax(logits[0].float(), dim=-1)
-    parts = [F.log_softmax(l.float(), dim=-1) + torch.log(w.clamp_min(1e-30)) for l, w in zip(logits, weights)]
-    return torch.logsumexp(torch.stack(parts), dim=0)
-
-
-# --- the ensemble as one drafter network --------------------------------------------------------
-
-
-class EnsembleCache:
-    """One KV cache per member, cropped together."""
-
-    def __init__(self, caches: list[KVCache]):
-        self.caches = caches
-
-    def get_seq_length(self) -> int:
-        return self.caches[0].get_seq_length()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        for cache in self.caches:
-            cache.crop(tokens_to_remove)
-
-
-class ZooEnsembleLM(nn.Module):
-    """Members combined in output-distribution space: its "logits" are log(sum_i w_i q_i), so
-    softmax of them is the mixture q (and the drafter's top-K/temperature apply to the mixture)."""
-
-    def __init__(self, members: list[ZooLM], weights: torch.Tensor):
-        super().__init__()
-        if len(members) != len(weights):
-            raise InvalidArgument(f"{len(members)} members but {len(weights)} weights")
-        self.members = nn.ModuleList(members)
-        self.register_buffer("weights", weights.float().clone())  # (M,)
-        self.config = members[0].config
-
-    @property
-    def vocab_ids(self) -> torch.Tensor:
-        return self.members[0].vocab_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self.members[0].vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.members[0].device
-
-    def new_cache(self) -> EnsembleCache:
-        return EnsembleCache([m.new_cache() for m in self.members])
-
-    def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        """log of the mixture q (N, V_r) at the positions ``where`` marks (as ``ZooLM.logits_at``)."""
-        return mixture_log_probs([m.logits_at(input_ids, where) for m in self.members], self.weights)
-
-    def forward(self, input_ids: torch.Tensor, cache: EnsembleCache | None = None, use_cache: bool = True,
-                logits_to_keep: int = 0) -> ZooOutput:
-        caches = cache.caches if (cache is not None and use_cache) else [None] * len(self.members)
-        logits = [member(input_ids, member_cache, use_cache=member_cache is not None, logits_to_keep=logits_to_keep).logits
-                  for member, member_cache in zip(self.members, caches)]  # each (B, T, V_r)
-        return ZooOutput(mixture_log_probs(logits, self.weights))
-
-
-def with_copy_term(config: ZooConfig, window: int, scale: float) -> ZooConfig:
-    """``config`` with a copy term of ``window`` and ``scale`` (``window`` 0: without one)."""
-    return replace(config, copy_window=int(window), copy_scale=float(scale))
-
-
-def load_own_state(model: ZooLM, state: dict[str, torch.Tensor]) -> None:
-    """Load ``state`` strictly, except that a copy weight it lacks (it was saved without the copy
-    term) starts at 0, which is the network ``state`` describes."""
-    if model.config.copy_window and "copy_weight" not in state:
-        state = {**state, "copy_weight": torch.zeros(1)}
-    if not model.config.copy_window and "copy_weight" in state:
-        raise InvalidArgument("the saved drafter has a copy term and this learner none: set the same copy window")
-    model.load_state_dict(state)
-
-
-def clone_zoo(base: ZooLM, copy_window: int | None = None, copy_scale: float = 100.0) -> ZooLM:
-    """A trainable copy of ``base`` that shares its frozen embedding matrix (never copied); with
-    ``copy_window`` given, with that copy term (a new one starts at 0)."""
-    config = base.config if copy_window is None else with_copy_term(base.config, copy_window, copy_scale)
-    model = ZooLM(config, base.embedding, base.vocab_ids.clone())
-    state = base.state_dict()
-    if not config.copy_window:
-        state.pop("copy_weight", None)
-    load_own_state(model, state)
-    return model.to(base.device)
-
-
-def freeze_lower_blocks(model: ZooLM, trainable_blocks: int | None) -> None:
-    """Keep only the last ``trainable_blocks`` blocks trainable (None: all of them); the output
-    bias, the final norm and the copy weight always are."""
-    if trainable_blocks is None:
-        return
-    frozen = len(model.blocks) - min(trainable_blocks, len(model.blocks))
-    for block in list(model.blocks)[:frozen]:
-        block.requires_grad_(False)
-
-
-def _own_state(model: ZooLM) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if k != "vocab_ids"}
-
-
-def build_served_model(base: ZooLM, tensors: dict[str, torch.Tensor], metadata: dict) -> nn.Module:
-    """The drafter network of a published version: a ZooLM, or a ZooEnsembleLM for several members.
-    A version learnt with vocabulary growth carries its own ``vocab_ids``, one with a copy term
-    its window and scale (metadata ``copy_window``, ``copy_scale``). An ensemble's version lists
-    its served mixture (``served_weights``): members left out of it are not built, and a single
-    one left is served alone."""
-    try:
-        count = int(metadata.get("members", 1))
-        vocab_ids = tensors["vocab_ids"].long() if "vocab_ids" in tensors else base.vocab_ids
-        config = with_copy_term(base.config, int(metadata.get("copy_window", 0)), float(metadata.get("copy_scale", 100.0)))
-        weights = tensors["served_weights"] if "served_weights" in tensors else tensors.get("hedge_weights")
-        chosen = [i for i in range(count) if count == 1 or float(weights[i]) > 0]
-        members = []
-        for i in chosen:
-            prefix = f"members.{i}."
-            state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
-            state["vocab_ids"] = vocab_ids
-            member = ZooLM(config, base.embedding, vocab_ids)
-            member.load_state_dict(state)
-            members.append(member.to(base.device).eval())
-        if len(members) == 1:
-            return members[0]
-        return ZooEnsembleLM(members, weights[chosen] / weights[chosen].sum()).to(base.device).eval()
-    except Exception as exc:  # noqa: BLE001 - a bad version must not take serving down
-        raise ModelUnavailable(f"published drafter weights do not fit the drafter ({type(exc).__name__}: {exc})") from None
-
-
-# --- evaluation ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """How a drafter network does on feedback records, per draft position. BD = mean of
-    1 - TV(p, q) for the q the drafter would propose from: ``bd_greedy`` for greedy drafting
-    (q one-hot on its argmax, so 1 - TV = p(argmax), 0 when the argmax is outside the target's
-    top-K: a lower bound), ``bd_soft`` for sampling at temperature 1 (q its full softmax)."""
-
-    bd_greedy: float
-    bd_soft: float
-    agreement: float  # share of draft positions where the drafter's argmax is the target's
-    loss: float  # distillation loss over all supervised positions
-    positions: int
-
-    def bd(self, metric: str) -> float:
-        return self.bd_greedy if metric == "greedy" else self.bd_soft
-
-
-@torch.inference_mode()
-def _per_position(model: nn.Module, records: Sequence[FeedbackRecord]):
-    """(1 - TV greedy, 1 - TV soft, agreement) per draft position (N,) each, and the loss; on the
-    model's own vocabulary (two versions may differ in it when the vocabulary grows)."""
-    vocab_map = vocab_map_for(model)
-    batch = make_batch(records, vocab_map, bonus=True)
-    drafts = make_batch(records, vocab_map, bonus=False)
-    # Every draft position counts (also those whose top-K is outside the vocabulary: TV ~ 1 there).
-    rows = drafts.probs.sum(-1) > 0  # (B, L)
-    needed = batch.mask | rows  # the head runs at these positions only (a record's last k + 1)
-    at = torch.full(needed.shape, -1, dtype=torch.long)
-    at[needed] = torch.arange(int(needed.sum()))
-    log_q = F.log_softmax(model.logits_at(batch.inputs.to(model.device), needed.to(model.device)).float().cpu(), dim=-1)  # (N', V_r)
-    loss = float(distillation_loss(log_q[at[batch.mask]], batch.ids[batch.mask], batch.probs[batch.mask]))
-    ids, probs = drafts.ids[rows], drafts.probs[rows]  # (N, K)
-    q = log_q[at[rows]].exp()  # (N, V_r)
-    soft = 1 - sparse_tv(ids, probs, q)
-    top = ids.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)  # (N,) target argmax, reduced index or -1
-    draft = q.argmax(-1)  # (N,) the greedy draft, reduced index
-    greedy = (probs * (ids == draft[:, None])).sum(-1)  # p(greedy draft)
-    return greedy, soft, (draft == top).float(), loss
-
-
-def evaluate(model: nn.Module, records: Sequence[FeedbackRecord]) -> Evaluation:
-    """How well a drafter network matches the target on ``records`` (e.g. held-out feedback)."""
-    if not records:
-        return Evaluation(float("nan"), float("nan"), float("nan"), float("nan"), 0)
-    greedy, soft, agreement, loss = _per_position(model, records)
-    return Evaluation(float(greedy.mean()), float(soft.mean()), float(agreement.mean()), loss, len(greedy))
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Candidate minus serving version on the same positions (paired)."""
-
-    candidate_bd: float
-    serving_bd: float
-    z: float  # mean paired difference / its standard error (negative: the candidate is worse)
-    positions: int
-
-    def regressed(self, drop: float, z_min: float) -> bool:
-        """Worse by more than ``drop`` and not by chance (|z| > ``z_min``)."""
-        return self.candidate_bd < self.serving_bd - drop and self.z < -z_min
-
-
-def compare(candidate: nn.Module, serving: nn.Module, records: Sequence[FeedbackRecord],
-            metric: str = "greedy") -> Comparison:
-    """Paired BD comparison of two versions of a drafter on held-out records."""
-    index = 0 if metric == "greedy" else 1
-    return paired(_per_position(candidate, records)[index], _per_position(serving, records)[index])
-
-
-def record_bd(model: nn.Module, records: Sequence[FeedbackRecord], metric: str = "greedy") -> list[torch.Tensor]:
-    """BD (1 - TV, greedy or soft) at each draft position, one tensor per record: a version's
-    scores on a held-out record never change, so the learner keeps the serving version's."""
-    if not records:
-        return []
-    values = _per_position(model, records)[0 if metric == "greedy" else 1]  # (N,), record by record
-    counts = [sum(1 for row in r.target_probs[: len(r.draft)] if sum(row) > 0) for r in records]
-    return list(values.split(counts))
-
-
-def paired(a: torch.Tensor, b: torch.Tensor) -> Comparison:
-    """The comparison of candidate scores ``a`` with serving scores ``b`` on the same positions (N,)."""
-    diff = (a - b).double()
-    se = float(diff.std(unbiased=True)) / math.sqrt(len(diff)) if len(diff) > 1 else float("inf")
-    z = float(diff.mean()) / se if se > 0 else (0.0 if float(diff.mean()) == 0 else math.copysign(float("inf"), float(diff.mean())))
-    return Comparison(float(a.mean()), float(b.mean()), z, len(diff))
-
-
-# --- the learner of one drafter variant ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -696,7 +299,7 @@ class OnlineDrafterLearner:
     def serving_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """What drafters load (``build_served_model``): every member's weights and the Hedge weights."""
         tensors = {f"members.{i}.{k}": v.detach().cpu().clone() for i, m in enumerate(self.members)
-                   for k, v in _own_state(m).items()}
+                   for k, v in own_state(m).items()}
         tensors["hedge_weights"] = self.weights.clone()
         served = self.served_weights()
         if len(self.members) > 1:  # build_served_model drafts with these members only
@@ -756,7 +359,7 @@ class OnlineDrafterLearner:
     def state_dict(self) -> dict:
         return {
             "config": asdict(self.config),
-            "members": [{k: v.detach().cpu().clone() for k, v in _own_state(m).items()} for m in self.members],
+            "members": [{k: v.detach().cpu().clone() for k, v in own_state(m).items()} for m in self.members],
             "previous": [None if p is None else [g.clone() for g in p] for p in self.previous],
             "accumulated": [None if a is None else [g.clone() for g in a] for a in self.accumulated],
             "weights": self.weights.clone(),

@@ -18,7 +18,8 @@ from specpool.learning.model_store import DirectoryModelStore, VariantKey
 from specpool.learning.online import OnlineConfig
 from specpool.drafters.zoo_model import ZooConfig, ZooLM
 from specpool.core.errors import StoreUnavailable
-from specpool.learning.learner import Learner, LearningConfig
+from specpool.learning.learner_loop import Learner
+from specpool.learning.learning_config import LearningConfig
 
 pytestmark = pytest.mark.integration
 

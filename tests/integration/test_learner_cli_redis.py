@@ -33,7 +33,9 @@ from specpool.learning.model_store import DirectoryModelStore, VariantKey
 from specpool.learning.online import OnlineConfig
 from specpool.drafters.registry import DrafterContext
 from redis_helpers import URL, connect_or_skip
-from specpool.learning.learner import Learner, LearningConfig, registry_base_models
+from specpool.learning.learner_loop import Learner
+from specpool.learning.learner_process import registry_base_models
+from specpool.learning.learning_config import LearningConfig
 from unit.conftest import WORDS, _prompt_texts, _save, make_model, make_tokenizer, plain_greedy
 from unit.online_helpers import target_records, write_tiny_zoo
 

@@ -27,7 +27,9 @@ from specpool.learning.model_store import DirectoryModelStore, VariantKey
 from specpool.learning.online import OnlineConfig
 from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
 from specpool.core.errors import StoreUnavailable
-from specpool.learning.learner import Learner, LearningConfig, run_learner
+from specpool.learning.learner_loop import Learner
+from specpool.learning.learner_process import run_learner
+from specpool.learning.learning_config import LearningConfig
 
 MAX_NEW = "24"
 
@@ -312,7 +314,7 @@ def test_learner_short_and_long_option_names_agree():
         assert getattr(default.online, option) == getattr(OnlineConfig(), option)
     assert (config.budget_records, config.budget_tokens, config.shared_pool, config.publish_every, config.commit_after_s,
             config.claim_idle_s, config.drafters) == (7, 9, True, 3, 120.0, 5.0, ("chat",))
-    from specpool.learning.learner import LearningConfig
+    from specpool.learning.learning_config import LearningConfig
 
     assert default.commit_after_s == LearningConfig().commit_after_s
     from specpool.core.errors import InvalidArgument

@@ -17,9 +17,10 @@ from specpool.learning.feedback import Delivery, FeedbackRecord, InProcessFeedba
 from specpool.learning.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey
 from specpool.learning.online import OnlineConfig, OnlineDrafterLearner
 from online_helpers import target_records, tiny_zoo_model, write_tiny_zoo
-from specpool.learning import learner as learner_module
+from specpool.learning import learner_process as learner_module
 from specpool.services.engine import EmbeddedEngine, EngineConfig
-from specpool.learning.learner import Learner, LearningConfig, is_held_out
+from specpool.learning.learner_loop import Learner, is_held_out
+from specpool.learning.learning_config import LearningConfig
 from specpool.target.models import ModelConfig
 from specpool.target.sampling import SamplingParams
 from test_online import BAD_RECORDS
@@ -615,7 +616,8 @@ def test_served_variants_pin_one_version_per_request_and_follow_promotions(tmp_p
 def test_remembered_serving_scores_give_the_fresh_comparison(tmp_path, zoo_base, records):
     """The serving version's held-out scores are kept per record between commits; every commit's
     figures equal a comparison made from scratch on that commit's held-out set."""
-    from specpool.learning.online import build_served_model, compare
+    from specpool.learning.evaluation import compare
+    from specpool.learning.zoo_weights import build_served_model
 
     stream = InProcessFeedbackStream(capacity=1000)
     learner = make_learner(tmp_path, stream, zoo_base, publish_every=10**6, holdout_every=3, min_holdout=2,

@@ -23,20 +23,12 @@ from specpool.learning.feedback import (
     record_from_round,
 )
 from specpool.learning.model_store import SHARED_SCOPE, DirectoryModelStore, VariantKey, open_model_store
-from specpool.learning.online import (
-    OnlineConfig,
-    OnlineDrafterLearner,
-    ZooEnsembleLM,
-    build_served_model,
-    clip_grads,
-    evaluate,
-    hedge_update,
-    make_batch,
-    ogd_step,
-    optimistic_step,
-    sparse_tv,
-    vocab_map_for,
-)
+from specpool.learning.batches import make_batch, vocab_map_for
+from specpool.learning.ensemble import ZooEnsembleLM
+from specpool.learning.evaluation import evaluate, sparse_tv
+from specpool.learning.online import OnlineConfig, OnlineDrafterLearner
+from specpool.learning.online_updates import clip_grads, hedge_update, ogd_step, optimistic_step
+from specpool.learning.zoo_weights import build_served_model
 from specpool.drafters.zoo import ZooDrafter
 from online_helpers import target_records, tiny_zoo_model
 from specpool.core.errors import InvalidArgument, NotFound
@@ -267,7 +259,7 @@ def test_merged_records_are_one_sequence_with_the_same_rows_on_the_path(verifier
     record keeps its rows up to the target's correction (j <= accepted), the last one all its
     rows; the drafter's logits at the kept rows are those of the records fitted one by one
     (whole contexts here, so every row sees the same prefix either way)."""
-    from specpool.learning.online import batch_sequences
+    from specpool.learning.batches import batch_sequences
 
     records, sequence = session_records(verifier, noisy_lm, prompts[1], context_tail=256)
     assert len(records) >= 3 and any(r.accepted < len(r.draft) for r in records[:-1])
@@ -297,7 +289,7 @@ def test_merged_records_are_one_sequence_with_the_same_rows_on_the_path(verifier
 
 
 def test_only_records_that_line_up_are_merged(verifier, noisy_lm, prompts):
-    from specpool.learning.online import batch_sequences
+    from specpool.learning.batches import batch_sequences
 
     records, _ = session_records(verifier, noisy_lm, prompts[2], context_tail=8)
     other, _ = session_records(verifier, noisy_lm, prompts[3], context_tail=8, session="n")
@@ -481,7 +473,7 @@ def test_only_the_last_trainable_blocks_learn(trainable_blocks, trained, zoo_bas
     # The optimiser state holds the trained parameters only: one AdaGrad sum each.
     assert len(learner.accumulated[0]) == sum(p.requires_grad for p in member.parameters())
     # A checkpoint goes on only under the same setting.
-    from specpool.learning.learner import checkpoint_conflict
+    from specpool.learning.learner_checkpoint import checkpoint_conflict
 
     state = {"learner": learner.state_dict()}
     key = VariantKey("t", "chat")
@@ -542,7 +534,7 @@ def test_hedge_moves_weight_to_the_member_with_lower_loss(zoo_base, stream_recor
     ([0.97, 0.02, 0.01], 0.0, [0.97, 0.02, 0.01]),
 ])
 def test_served_weights(weights, minimum, expected):
-    from specpool.learning.online import served_weights
+    from specpool.learning.ensemble import served_weights
 
     assert served_weights(torch.tensor(weights), minimum).tolist() == pytest.approx(expected)
 
@@ -616,7 +608,7 @@ def test_ensemble_drafter_is_lossless(zoo_base, stream_records, verifier, prompt
     ],
 )
 def test_adagrad_scale(grads, accumulated, expected, expected_g):
-    from specpool.learning.online import adagrad_scale
+    from specpool.learning.online_updates import adagrad_scale
 
     scaled, new = adagrad_scale([torch.tensor(grads)], None if accumulated is None else [torch.tensor(accumulated)], eps=0.0)
     torch.testing.assert_close(scaled[0], torch.tensor(expected))
@@ -646,13 +638,13 @@ def test_adagrad_preconditioned_learning_lowers_the_loss(zoo_base, stream_record
     ],
 )
 def test_rollback_decision(candidate, serving, z, drop, z_min, regressed):
-    from specpool.learning.online import Comparison
+    from specpool.learning.evaluation import Comparison
 
     assert Comparison(candidate, serving, z, 100).regressed(drop, z_min) is regressed
 
 
 def test_compare_versions(zoo_base, stream_records):
-    from specpool.learning.online import compare
+    from specpool.learning.evaluation import compare
 
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
     same = compare(zoo_base, zoo_base, stream_records, "soft")
@@ -746,7 +738,7 @@ def test_grown_vocabulary_learns_serves_and_stays_lossless(algorithm, zoo_base, 
     served = build_served_model(zoo_base, tensors, metadata)
     assert torch.equal(served.vocab_ids, learner.members[0].vocab_ids)
     # Versions with different vocabularies compare on the same positions.
-    from specpool.learning.online import compare
+    from specpool.learning.evaluation import compare
 
     comparison = compare(served, zoo_base, stream_records, "soft")
     assert comparison.positions == everything_before.positions
@@ -791,7 +783,7 @@ def test_grown_vocabulary_travels_with_checkpoints_and_versions(zoo_base, stream
 
 
 def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
-    from specpool.learning.online import compare, paired, record_bd
+    from specpool.learning.evaluation import compare, paired, record_bd
 
     learner = OnlineDrafterLearner(zoo_base, OnlineConfig(lr=0.05))
     for record in stream_records[:8]:
@@ -817,7 +809,7 @@ def test_record_bd_splits_the_comparison_by_record(zoo_base, stream_records):
 
 def with_copy_weight(base, window: int, logits: float):
     """A copy of ``base`` with a copy term of ``window`` whose weight adds ``logits``."""
-    from specpool.learning.online import clone_zoo
+    from specpool.learning.zoo_weights import clone_zoo
 
     model = clone_zoo(base, copy_window=window, copy_scale=10.0)
     with torch.no_grad():
