@@ -585,16 +585,8 @@ def init_from_drafter(model: ZooLM, spec: str, home: Path, target_name: str) -> 
           f"({int((where >= 0).sum())} of {len(where)} tokens in its vocabulary)", flush=True)
 
 
-def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
-                  device: str = "cpu", teacher_only: bool = False) -> dict:
-    """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata.
-
-    ``device`` runs both the teacher (in float32: its greedy answers are what the drafter must
-    predict) and the distillation there. ``teacher_only`` stops after the teacher data is in the
-    store and returns a summary of it (precompute once, train many).
-    """
-    from specpool.target.models import ModelConfig, load_causal_lm, resolve_model, tokenizer_fingerprint
-
+def _check_train_config(config: TrainConfig) -> None:
+    """The options ``train_drafter`` cannot run with, as one InvalidArgument each."""
     check_domain(config.domain)
     if not config.data:
         raise InvalidArgument("give at least one corpus with --data")
@@ -609,6 +601,48 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
     if not config.lr > 0:
         raise InvalidArgument(f"--lr must be > 0, got {config.lr}")
+
+
+def _drafter_metadata(out: Path, config: TrainConfig, target_name: str, fingerprint: str, model: ZooLM,
+                      sequences: list[Sequence], heldout: list[Sequence], state: TrainState, device: str) -> dict:
+    """The trained drafter's metadata.json: what it was trained from and how training went."""
+    return {
+        "name": out.name,
+        "kind": "zoo",
+        "domain": config.domain,
+        "target": target_name,
+        "target_tokenizer_fingerprint": fingerprint,
+        "model": model.config.to_dict(),
+        "own_parameters": model.own_parameters(),
+        "data": [str(p) for p in config.data],
+        "teacher_prompts": len(sequences),
+        "teacher_tokens": int(sum(len(s.label_ids) for s in sequences)),
+        "heldout_prompts": len(heldout),
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "final_loss": state.losses[-1] if state.losses else float("nan"),
+        "loss_curve": [round(x, 4) for x in state.losses],
+        "heldout_loss_curve": state.val_losses,
+        "best_heldout_loss": round(state.best_val, 4) if state.val_losses else None,
+        "best_step": state.best_step if state.val_losses else state.step,
+        "stopped_by_time_limit": state.stopped_by_time_limit,
+        "device": str(device),
+        "seed": config.seed,
+        "train_config": {k: v for k, v in asdict(config).items() if k != "data"},
+    }
+
+
+def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, target_name: str,
+                  device: str = "cpu", teacher_only: bool = False) -> dict:
+    """Teacher data -> vocabulary -> distillation -> exported drafter. Returns its metadata.
+
+    ``device`` runs both the teacher (in float32: its greedy answers are what the drafter must
+    predict) and the distillation there. ``teacher_only`` stops after the teacher data is in the
+    store and returns a summary of it (precompute once, train many).
+    """
+    from specpool.target.models import ModelConfig, load_causal_lm, resolve_model, tokenizer_fingerprint
+
+    _check_train_config(config)
     ModelConfig(target_name, device).check_device()  # before any corpus or model is read
     if config.init_from and not teacher_only:
         resolve_drafter_folder(config.init_from)  # a wrong name fails now, not after the teacher's answers
@@ -660,29 +694,6 @@ def train_drafter(config: TrainConfig, home: Path, out: Path, resume: bool, targ
     state = train_steps(model, sequences, vocab_map, config, checkpoint, resume, heldout=heldout)
     model.to("cpu")
 
-    metadata = {
-        "name": out.name,
-        "kind": "zoo",
-        "domain": config.domain,
-        "target": target_name,
-        "target_tokenizer_fingerprint": fingerprint,
-        "model": zoo_config.to_dict(),
-        "own_parameters": model.own_parameters(),
-        "data": [str(p) for p in config.data],
-        "teacher_prompts": len(sequences),
-        "teacher_tokens": int(sum(len(s.label_ids) for s in sequences)),
-        "heldout_prompts": len(heldout),
-        "steps": state.step,
-        "tokens_seen": state.tokens_seen,
-        "final_loss": state.losses[-1] if state.losses else float("nan"),
-        "loss_curve": [round(x, 4) for x in state.losses],
-        "heldout_loss_curve": state.val_losses,
-        "best_heldout_loss": round(state.best_val, 4) if state.val_losses else None,
-        "best_step": state.best_step if state.val_losses else state.step,
-        "stopped_by_time_limit": state.stopped_by_time_limit,
-        "device": str(device),
-        "seed": config.seed,
-        "train_config": {k: v for k, v in asdict(config).items() if k != "data"},
-    }
+    metadata = _drafter_metadata(out, config, target_name, fingerprint, model, sequences, heldout, state, device)
     export_drafter(model, out, metadata, model_card(metadata))
     return metadata
