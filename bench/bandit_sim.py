@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import default_out
+from specpool.core.defaults import DEFAULT_BETA
 from specpool.router.loop import RoundRecord
 from specpool.router.policies import PolicyOptions, make_policy
 
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=default_out("bandit-sim"), help=f"output folder (default ./{default_out('bandit-sim')})")
     parser.add_argument("--policies", default="metasd-ucb,ucb-be,thompson,ucb-discounted,exp3,random")
     parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--beta", type=float, default=0.2)
+    parser.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight (default {DEFAULT_BETA})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     config = SimConfig(runs=args.runs, beta=args.beta, seed=args.seed)

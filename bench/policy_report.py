@@ -244,6 +244,13 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
                 "identified_share": len(found) / len(identify) if identify else None,
                 "lossless_mismatches": sum(1 for r in group if r["matches_target"] is False),
             })
+    return rows, _summary(records, rows, categories, systems, fixed_best, steady_fixed_best, st_best)
+
+
+def _summary(records: Sequence[dict], rows: list[dict], categories: list[str], systems: list[str], fixed_best: str | None,
+             steady_fixed_best: str | None, st_best: dict[int, str]) -> dict:
+    """The headline figures of ``aggregate``: per system its ratios averaged over categories and
+    its overall row's, and the stopping-time oracle."""
     by_key = {(r["category"], r["system"]): r for r in rows}
     # Stopping time (rounds per 100 tokens) needs no clock, so machine noise cannot touch it: the
     # policy's rounds against those of each prompt's fewest-rounds fixed drafter.
@@ -253,6 +260,7 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
     best_tokens = sum(tokens_of[i] for i in st_best)
     summary = {"best_fixed": fixed_best, "steady_best_fixed": steady_fixed_best, "policies": {},
                "stopping_time_oracle_rounds_per_100_tokens": 100.0 * best_rounds / best_tokens if best_tokens else None}
+
     def category_mean(system: str, key: str) -> float | None:
         # A per-category figure (the median of per-prompt ratios, or a pooled ratio), averaged over categories.
         cells = [by_key[(c, system)][key] for c in categories if (c, system) in by_key]
@@ -278,7 +286,7 @@ def aggregate(records: Sequence[dict]) -> tuple[list[dict], dict]:
             "identified_share": overall["identified_share"] if overall else None,
             "chooser_fraction": overall["chooser_fraction"] if overall else None,
         }
-    return rows, summary
+    return summary
 
 
 # -- rendering ----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.common import WARMUP_PROMPT, default_out, load_questions, machine_info
+from specpool.core.defaults import DEFAULT_K, DEFAULT_POLICY
 from specpool.core.errors import check
 
 DEFAULT_CONCURRENCY = "1,4,8"
@@ -126,8 +127,8 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     parser.add_argument("--pool", default="ngram,code,chat",
                         help="drafters served and chosen among (default ngram,code,chat); the same pool runs embedded")
-    parser.add_argument("--policy", default="metasd-ucb", help="drafter-choice policy, served and embedded (default metasd-ucb)")
-    parser.add_argument("-k", type=int, default=5, help="draft length (default 5)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help=f"drafter-choice policy, served and embedded (default {DEFAULT_POLICY})")
+    parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length (default {DEFAULT_K})")
     parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"concurrent sessions to measure (default {DEFAULT_CONCURRENCY})")
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each concurrency level (default: max(#prompts, 2 x sessions))")
@@ -360,15 +361,16 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_bench_served(args: argparse.Namespace, settings) -> int:
+    """The whole benchmark: a local served deployment and the embedded engine, single session
+    side by side, then each concurrency level; results.json, report.md and throughput.png."""
     import grpc
     import ray
     from ray import serve
-    from tqdm import tqdm
 
     from specpool.router.policies import PolicyOptions, make_policy
     from specpool.services.client import SpecPoolClient
     from specpool.services.local_serve import start_local
-    from specpool.services.serve_config import DEFAULT_TARGET, default_serve_config, plan_from_config
+    from specpool.services.serve_config import default_serve_config, plan_from_config
     from specpool.target.sampling import validate_draft_length
 
     questions = load_questions(Path(args.prompts), args.limit_per_category)
@@ -382,115 +384,143 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k)
+    namespace = f"specpool-bench-{uuid.uuid4().hex[:8]}"  # the run's own Redis keys, deleted at the end
     for app in config["applications"]:
         if app["name"] == "target":
             app["args"]["max_batch_size"] = args.max_batch_size
         if app["name"] == "router":
-            app["args"]["redis_namespace"] = f"specpool-bench-{uuid.uuid4().hex[:8]}"
+            app["args"]["redis_namespace"] = namespace
     plan = plan_from_config(config, "the benchmark's config")
-    say = lambda m: print(f"bench-served: {m}", flush=True)  # noqa: E731
-    local = start_local(plan, metrics_port=None, progress=say)
-    namespace = next(a for a in config["applications"] if a["name"] == "router")["args"]["redis_namespace"]
+    local = start_local(plan, metrics_port=None, progress=_say)
     engine: EmbeddedWorker | None = None
     try:
-        say("loading the embedded engine (same target and drafters) in its own process ...")
+        _say("loading the embedded engine (same target and drafters) in its own process ...")
         engine = EmbeddedWorker(settings.home, pool, args.k, args.max_new_tokens, args.policy)
-        embedded = engine.generate
         client = SpecPoolClient(local.address, options=[("grpc.max_receive_message_length", 64 << 20)])
         fields = dict(max_new_tokens=args.max_new_tokens, policy=args.policy, k=args.k, tenant="bench")
-
-        say("warm-up ...")
-        embedded(WARMUP_PROMPT)
+        _say("warm-up ...")
+        engine.generate(WARMUP_PROMPT)
         _stream_once(client, WARMUP_PROMPT, {**fields, "session_id": uuid.uuid4().hex})
-
-        records = []
-        for i, q in enumerate(tqdm(questions, desc="single session (served | embedded)", unit="prompt")):
-            session = uuid.uuid4().hex
-            order = ("served", "embedded") if i % 2 == 0 else ("embedded", "served")
-            got: dict = {}
-            for system in order:
-                if system == "served":
-                    timing, tokens, stats = _stream_once(client, q.prompt, {**fields, "session_id": session})
-                    split = time_split(rounds=stats.rounds, wall_s=timing.wall_s, loop_s=stats.wall_s,
-                                       draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s,
-                                       verify_s=stats.verify_s, verify_forward_s=stats.verify_forward_s)
-                    got["served"] = (tokens, timing.wall_s, timing, split)
-                else:
-                    tokens, wall, split = embedded(q.prompt)
-                    got["embedded"] = (tokens, wall, None, split)
-            s_tokens, s_wall, s_timing, s_split = got["served"]
-            e_tokens, e_wall, _, e_split = got["embedded"]
-            records.append({
-                "question_id": q.question_id, "category": q.category, "first": order[0],
-                "served_tokens": len(s_tokens), "served_s": s_wall, "served_tps": len(s_tokens) / s_wall if s_wall else None,
-                "embedded_tokens": len(e_tokens), "embedded_s": e_wall, "embedded_tps": len(e_tokens) / e_wall if e_wall else None,
-                "identical": s_tokens == e_tokens, "ttft_s": s_timing.ttft(),
-                "served_split": s_split, "embedded_split": e_split,
-            })
+        records = single_session_runs(client, engine.generate, questions, fields)
         engine.close()  # frees the embedded models before the concurrency runs
         target_handle = serve.get_deployment_handle("Target", app_name="target")
 
         def batch_sizes() -> dict:
             return target_handle.options(method_name="Stats").remote().result()["batch_sizes"]
 
-        concurrency = []
-        for sessions in levels:
-            n_requests = args.requests_per_level or max(len(questions), 2 * sessions)
-            work: queue.Queue = queue.Queue()
-            for j in range(n_requests):
-                work.put(questions[j % len(questions)].prompt)
-            timings: list[StreamTiming] = []
-            errors: list[str] = []
-            lock = threading.Lock()
-            before = batch_sizes()
-
-            def worker() -> None:
-                while True:
-                    try:
-                        prompt = work.get_nowait()
-                    except queue.Empty:
-                        return
-                    try:
-                        timing, _, _ = _stream_once(client, prompt, {**fields, "session_id": uuid.uuid4().hex})
-                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                        with lock:
-                            errors.append(str(exc))
-                        continue
-                    with lock:
-                        timings.append(timing)
-
-            say(f"{sessions} concurrent session(s), {n_requests} requests ...")
-            threads = [threading.Thread(target=worker) for _ in range(sessions)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
-            after = batch_sizes()
-            sizes = {str(s): after.get(s, 0) - before.get(s, 0) for s in after if after.get(s, 0) - before.get(s, 0)}
-            tokens = sum(t.tokens for t in timings)
-            concurrency.append({"sessions": sessions, "requests": len(timings), "errors": errors, "tokens": tokens,
-                                "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-                                "latency": latency_summary(timings), "batch_sizes": sizes})
+        concurrency = [concurrency_level(client, [q.prompt for q in questions], sessions,
+                                         args.requests_per_level or max(len(questions), 2 * sessions), fields, batch_sizes)
+                       for sessions in levels]
         client.close()
     finally:
         if engine is not None:
             engine.close()
-        try:
-            import redis
-
-            raw = redis.Redis.from_url(args.redis_url)
-            keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
-            if keys:
-                raw.delete(*keys)
-            raw.close()
-        except Exception:  # noqa: BLE001 - cleanup only
-            pass
+        _delete_namespace(args.redis_url, namespace)
         local.shutdown()
 
     machine = machine_info("cpu")
     machine.update({"ray": ray.__version__, "grpcio": grpc.__version__})
+    write_results(out, args, machine, config, pool, records, concurrency)
+    return 0
+
+
+def _say(message: str) -> None:
+    print(f"bench-served: {message}", flush=True)
+
+
+def single_session_runs(client, embedded, questions: Sequence, fields: dict) -> list[dict]:
+    """Every prompt served (GenerateStream) and embedded, alternating which goes first: the
+    per-prompt records (tokens/s of each, identical outputs, TTFT, the round-time splits)."""
+    from tqdm import tqdm
+
+    records = []
+    for i, q in enumerate(tqdm(questions, desc="single session (served | embedded)", unit="prompt")):
+        session = uuid.uuid4().hex
+        order = ("served", "embedded") if i % 2 == 0 else ("embedded", "served")
+        got: dict = {}
+        for system in order:
+            if system == "served":
+                timing, tokens, stats = _stream_once(client, q.prompt, {**fields, "session_id": session})
+                split = time_split(rounds=stats.rounds, wall_s=timing.wall_s, loop_s=stats.wall_s,
+                                   draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s,
+                                   verify_s=stats.verify_s, verify_forward_s=stats.verify_forward_s)
+                got["served"] = (tokens, timing.wall_s, timing, split)
+            else:
+                tokens, wall, split = embedded(q.prompt)
+                got["embedded"] = (tokens, wall, None, split)
+        s_tokens, s_wall, s_timing, s_split = got["served"]
+        e_tokens, e_wall, _, e_split = got["embedded"]
+        records.append({
+            "question_id": q.question_id, "category": q.category, "first": order[0],
+            "served_tokens": len(s_tokens), "served_s": s_wall, "served_tps": len(s_tokens) / s_wall if s_wall else None,
+            "embedded_tokens": len(e_tokens), "embedded_s": e_wall, "embedded_tps": len(e_tokens) / e_wall if e_wall else None,
+            "identical": s_tokens == e_tokens, "ttft_s": s_timing.ttft(),
+            "served_split": s_split, "embedded_split": e_split,
+        })
+    return records
+
+
+def concurrency_level(client, prompts: list[str], sessions: int, n_requests: int, fields: dict, batch_sizes) -> dict:
+    """``n_requests`` requests (the prompts in turn) through ``sessions`` client threads, one
+    stream each: aggregate tokens/s, latency, and the target's batch sizes meanwhile."""
+    work: queue.Queue = queue.Queue()
+    for j in range(n_requests):
+        work.put(prompts[j % len(prompts)])
+    timings: list[StreamTiming] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    before = batch_sizes()
+
+    def worker() -> None:
+        while True:
+            try:
+                prompt = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                timing, _, _ = _stream_once(client, prompt, {**fields, "session_id": uuid.uuid4().hex})
+            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                timings.append(timing)
+
+    _say(f"{sessions} concurrent session(s), {n_requests} requests ...")
+    threads = [threading.Thread(target=worker) for _ in range(sessions)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    after = batch_sizes()
+    sizes = {str(s): after.get(s, 0) - before.get(s, 0) for s in after if after.get(s, 0) - before.get(s, 0)}
+    tokens = sum(t.tokens for t in timings)
+    return {"sessions": sessions, "requests": len(timings), "errors": errors, "tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+            "latency": latency_summary(timings), "batch_sizes": sizes}
+
+
+def _delete_namespace(redis_url: str, namespace: str) -> None:
+    """Drop the run's router state from Redis; best effort (cleanup must not hide the results)."""
+    import redis
+
+    try:
+        raw = redis.Redis.from_url(redis_url)
+        keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            raw.delete(*keys)
+        raw.close()
+    except Exception:  # noqa: BLE001 - cleanup only
+        pass
+
+
+def write_results(out: Path, args: argparse.Namespace, machine: dict, config: dict, pool: list[str],
+                  records: list[dict], concurrency: list[dict]) -> None:
+    """results.json, throughput.png and report.md, and a summary line."""
+    from specpool.services.serve_config import DEFAULT_TARGET
+
     result = {
         "command": command_line(args), "machine": machine,
         "config": {"target": DEFAULT_TARGET, "pool": pool, "policy": args.policy, "k": args.k,
@@ -505,11 +535,10 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
         plot_throughput(concurrency, out / "throughput.png", f"served, {', '.join(pool)}, k={args.k}")
         plot = "throughput.png"
     except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
-        say(f"no plot ({exc})")
+        _say(f"no plot ({exc})")
     (out / "report.md").write_text(markdown_report(result, plot))
     single = result["single_session"]
-    say(f"single session: served {_f(single['served_tokens_per_s'])} vs embedded {_f(single['embedded_tokens_per_s'])} tokens/s "
-        f"(ratio {_f(single['ratio_pooled'], 3)}); " + "; ".join(f"{lv['sessions']} sessions {_f(lv['tokens_per_s'])} tokens/s"
-                                                          for lv in concurrency))
-    say(f"wrote {out / 'results.json'}, {out / 'report.md'}")
-    return 0
+    _say(f"single session: served {_f(single['served_tokens_per_s'])} vs embedded {_f(single['embedded_tokens_per_s'])} tokens/s "
+         f"(ratio {_f(single['ratio_pooled'], 3)}); " + "; ".join(f"{lv['sessions']} sessions {_f(lv['tokens_per_s'])} tokens/s"
+                                                           for lv in concurrency))
+    _say(f"wrote {out / 'results.json'}, {out / 'report.md'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from statistics import mean
 
 from bench.common import default_out, load_questions, machine_info
+from specpool.core.defaults import DEFAULT_K
 from specpool.core.errors import InvalidArgument, NotFound, check
 
 TEMPERATURES = (0.0, 0.7)
@@ -26,7 +27,7 @@ def add_zoo_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafters", default=None, help="comma-separated specs (default: every shipped zoo drafter, then ngram)")
     parser.add_argument("--limit-per-category", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length (default {DEFAULT_K})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled (temperature 0.7) runs")
     parser.add_argument("--out", default=default_out("zoo"), help=f"output folder (default ./{default_out('zoo')} in the working directory)")
     parser.add_argument("--target", default=None, help="target model (default: the embedded default)")
