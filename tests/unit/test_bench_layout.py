@@ -56,8 +56,13 @@ def test_cli_without_the_benchmarks_is_one_line_and_status_2(monkeypatch, tmp_pa
     assert err.count("\n") == 1 and f"`{command}` needs the benchmarks" in err and HINT in err
 
 
-def test_other_commands_parse_without_the_benchmarks(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench_loader, "CHECKOUT", tmp_path)
+@pytest.mark.parametrize("missing", ["checkout", "extra"])
+def test_other_commands_parse_without_the_benchmarks(monkeypatch, tmp_path, missing):
+    """The README's first set-up command (pip install -e . && specpool generate ...) needs neither."""
+    if missing == "checkout":
+        monkeypatch.setattr(bench_loader, "CHECKOUT", tmp_path)
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
     args = build_parser().parse_args(["generate", "Hello", "-k", "3"])
     assert (args.command, args.prompt, args.k) == ("generate", "Hello", 3)
 
