@@ -74,12 +74,24 @@ class EmbeddedEngine:
         )
         # Bandit state per (tenant, session). In memory by default: the embedded mode needs no Redis.
         self.store = store if store is not None else InMemorySessionStore()
-        # Online learning (specpool/learning/learner.py): feedback stream, learner thread, hot-swapped drafters.
-        self.learning = EmbeddedLearning(learning, config.home) if learning is not None else None
         info = ModelInfo(config.target.name, stop_token_ids(self.model, self.tokenizer), self.verifier.context_window,
                          self.verifier.tokenizer_fingerprint)
         self.orchestrator = Orchestrator(self.tokenizer, info, self.drafters, self.verifier, self.store,
-                                         OrchestratorSettings(keep_caches=False), feedback=self.learning)
+                                         OrchestratorSettings(keep_caches=False))
+        self.learning = EmbeddedLearning(learning, config.home) if learning is not None else None
+
+    @property
+    def learning(self) -> EmbeddedLearning | None:
+        """Online learning (specpool/learning/learner.py): feedback stream, learner thread,
+        hot-swapped drafters; None: off."""
+        return self._learning
+
+    @learning.setter
+    def learning(self, learning: EmbeddedLearning | None) -> None:
+        # Settable after construction (tests and benchmarks swap in one with other settings):
+        # the orchestrator's feedback wiring follows.
+        self._learning = learning
+        self.orchestrator.feedback = learning
 
     def close(self) -> None:
         """Stop the learner thread (it commits what it has applied first)."""
