@@ -16,10 +16,11 @@ import threading
 import time
 from collections import OrderedDict
 
-from specpool.learning.model_store import SHARED_SCOPE, ModelStore, VariantKey
-from specpool.learning.zoo_weights import build_served_model
+from specpool.core.errors import ModelUnavailable
 from specpool.drafters.zoo import ZooDrafter
 from specpool.drafters.zoo_model import ZooLM
+from specpool.learning.model_store import SHARED_SCOPE, ModelStore, VariantKey
+from specpool.learning.zoo_weights import build_served_model
 
 log = logging.getLogger("specpool.hot_swap")
 
@@ -109,8 +110,6 @@ class ServedVariants:
 
     def pick(self, tenant: str, version: int = 0, exact: bool = False) -> tuple[int, ZooDrafter]:
         """(version, drafter) for a round of ``tenant``'s request; see the class docstring."""
-        from specpool.core.errors import ModelUnavailable
-
         if not tenant:  # a caller that names no tenant gets the shipped weights
             if exact and version != 0:
                 raise ModelUnavailable(f"drafter {self.base.name!r}: weights version {version} needs the request's tenant")
