@@ -12,7 +12,7 @@ import pytest
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.drafters.ngram import NGramDrafter
 from specpool.core.errors import Cancelled, InvalidArgument, NotFound, SessionBusy
-from specpool.router.session_store import InMemorySessionStore
+from specpool.router.session_store import InMemorySessionStore, SessionKey
 from specpool.services.api import GenerationSpec
 from specpool.services.metrics import PrometheusMetrics
 from specpool.services.orchestrator import (EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings,
@@ -205,3 +205,65 @@ def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):
         assert 0 < len(r.context) <= 16
     core.run(core.prepare(spec(session_id="q", tenant="quiet")))
     assert stream.read("learner", 1000) == [] and emitter.emitted == len(records)
+
+
+def test_optional_capabilities_are_protocols_the_parts_declare_by_shape(noisy_lm):
+    """What the loop and the orchestrator check with isinstance instead of probing attributes."""
+    from specpool.drafters.base import PerRequestVersions, Replayable
+    from specpool.drafters.lookup_first import LookupFirstDrafter
+    from specpool.router.bandit import BanditChooser, ReplayPolicy
+    from specpool.router.loop import FixedChooser, ReplayingChooser
+    from specpool.router.policies import make_policy
+    from specpool.services.remote import DeploymentCaller, RemoteDrafter
+
+    remote = RemoteDrafter("code", DeploymentCaller(None, "drafter 'code'"), None)  # no call is made
+    assert isinstance(remote, PerRequestVersions) and isinstance(remote, Replayable)
+    local = [NGramDrafter(), HFModelDrafter("noisy", *noisy_lm), LookupFirstDrafter("lookup:x", NGramDrafter("x"))]
+    assert all(isinstance(d, Replayable) and not isinstance(d, PerRequestVersions) for d in local)
+    assert isinstance(make_policy("ucb-replay", ["a", "b"]), ReplayPolicy)
+    assert not isinstance(make_policy("metasd-ucb", ["a", "b"]), ReplayPolicy)
+    chooser = BanditChooser(make_policy("metasd-ucb", ["a"]), InMemorySessionStore(), SessionKey("t", "s"))
+    assert isinstance(chooser, ReplayingChooser) and not isinstance(FixedChooser("a"), ReplayingChooser)
+    remote.begin_request("s", "acme")
+    assert remote.version_of("s") == 0  # no round yet: the shipped weights until the server picks
+    remote.end_request("s")
+
+
+class Versioned(Recording):
+    """A drafter with per-request weight versions (as a remote one): records the brackets."""
+
+    def __init__(self, inner, version: int):
+        super().__init__(inner)
+        self.version = version
+        self.requests: list[tuple[str, str]] = []
+        self.open: set[str] = set()
+
+    def begin_request(self, session_id, tenant):
+        self.requests.append((session_id, tenant))
+        self.open.add(session_id)
+
+    def end_request(self, session_id):
+        self.open.discard(session_id)
+
+    def version_of(self, session_id):
+        assert session_id in self.open  # asked only while its request runs
+        return self.version
+
+
+def test_per_request_versions_are_bracketed_and_stamp_the_feedback(target_lm):
+    from specpool.learning.feedback import FeedbackEmitter, FeedbackRecord, InProcessFeedbackStream
+
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    drafter = Versioned(NGramDrafter(), version=7)
+    stream = InProcessFeedbackStream(100)
+    core = Orchestrator(tokenizer, ModelInfo("tiny", (tokenizer.eos_token_id,), verifier.context_window,
+                                             verifier.tokenizer_fingerprint),
+                        ServedDrafters({"ngram": drafter}), verifier, InMemorySessionStore(),
+                        OrchestratorSettings(k=4, max_new_tokens=24),
+                        feedback=EmittedFeedback(FeedbackEmitter(stream), top_k=4))
+    outcome = core.run(core.prepare(spec(session_id="v", tenant="acme", policy="fixed:ngram")))
+    assert drafter.requests == [("v", "acme")] and not drafter.open
+    records = [FeedbackRecord.decode(d.payload) for d in stream.read("learner", 100)]
+    assert records and all(r.version == 7 for r in records)
+    assert len(records) <= outcome.stats.rounds
