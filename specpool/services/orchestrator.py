@@ -168,6 +168,8 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Outcome:
+    """A finished request, as both modes return it (the embedded engine hands back ``result``)."""
+
     session_id: str
     text: str  # decoded output (new tokens only)
     stats: Stats
@@ -195,6 +197,9 @@ def _chat_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
 
 
 class Orchestrator:
+    """One request from input to outcome, over the parts a mode hands it (the table above).
+    Thread-safe: the served router runs one request per worker thread."""
+
     def __init__(
         self,
         tokenizer,
