@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from bench import policy_report, report
 from bench.common import WARMUP_PROMPT, WARMUP_TOKENS, Question, load_questions, machine_info, parse_drafters
-from specpool.core.errors import check
+from specpool.core.errors import SpecpoolError, check
 from specpool.router.policies import PolicyOptions, make_policy
 from specpool.router.session_store import open_store
 from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
@@ -285,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     change) from its raw per_prompt.jsonl, which only a fresh run has (git keeps only the reports)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--rerender":
-        rerender(Path(argv[1]))
+        try:
+            rerender(Path(argv[1]))
+        except SpecpoolError as exc:
+            print(f"python -m bench.policies: error: {exc}", file=sys.stderr)
+            return 2
         return 0
     print("usage: python -m bench.policies --rerender DIR (runs are started with specpool bench --policies)", file=sys.stderr)
     return 2
