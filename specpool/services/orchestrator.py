@@ -52,7 +52,7 @@ from specpool.services.api import GenerationSpec, Stats
 from specpool.services.detokenize import Chunk, IncrementalDetokenizer
 from specpool.services.metrics import Metrics, NoMetrics
 from specpool.services.status import grpc_status
-from specpool.target.models import chat_prompt_ids
+from specpool.target.models import chat_ids, chat_prompt_ids
 from specpool.target.sampling import SamplingParams, validate_draft_length
 
 FeedbackCallback = Callable[[RoundFeedback], None]
@@ -186,16 +186,6 @@ class Outcome:
         return self.result.finish_reason
 
 
-def _chat_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Token ids of a conversation, ready for the assistant's answer (contents joined by newlines
-    when the tokenizer has no chat template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode("\n".join(c for _, c in messages), add_special_tokens=True)
-    ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-
-
 class Orchestrator:
     """One request from input to outcome, over the parts a mode hands it (the table above).
     Thread-safe: the served router runs one request per worker thread."""
@@ -234,7 +224,7 @@ class Orchestrator:
             elif kind == "raw":
                 ids = self.tokenizer.encode(text, add_special_tokens=True)
             else:
-                ids = _chat_ids(self.tokenizer, messages)
+                ids = chat_ids(self.tokenizer, messages)
         ids = list(ids)
         check(bool(ids), "the prompt encodes to no tokens")
         return ids

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,15 +190,21 @@ def check_same_tokenizer(target_fp: str, drafter_fp: str, drafter_name: str) -> 
         )
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as one user turn of the tokenizer's chat template, ready for the
-    assistant's answer (plain encoding when the tokenizer has no template)."""
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of a conversation of (role, content) turns through the tokenizer's chat template,
+    ready for the assistant's answer (contents joined by newlines when the tokenizer has no template)."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return tokenizer.encode("\n".join(content for _, content in messages), add_special_tokens=True)
+    ids = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
+                                        add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn (``chat_ids``)."""
+    return chat_ids(tokenizer, [("user", prompt)])
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
