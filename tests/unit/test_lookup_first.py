@@ -39,7 +39,7 @@ def test_bad_specs(spec, message, home):
         create_drafter(spec, DrafterContext(home))
 
 
-@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("k", [3, pytest.param(5, marks=pytest.mark.slow)])  # the fast lane keeps one k
 def test_greedy_output_equals_target_only_and_both_sources_draft(k, target_lm, noisy_lm, prompts):
     verifier = TargetVerifier(*target_lm)
     drafter = LookupFirstDrafter("lookup:noisy", HFModelDrafter("noisy", *noisy_lm))
@@ -75,6 +75,7 @@ DIST = dict(temperature=0.8, top_k=3, max_new_tokens=3)
 SEEDS = 1000
 
 
+@pytest.mark.slow  # statistical: many seeded generations
 def test_sampled_output_follows_the_target_distribution(target_lm, noisy_lm):
     model, tokenizer = target_lm
     verifier = TargetVerifier(model, tokenizer)

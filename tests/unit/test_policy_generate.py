@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cli_helpers import assert_one_line_error
+from specpool.core.defaults import DEFAULT_POLICY
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.drafters.ngram import NGramDrafter
 from specpool.router.bandit import BanditChooser
@@ -17,6 +18,10 @@ from specpool.router.session_store import InMemorySessionStore, SessionKey
 from specpool.target.sampling import SamplingParams
 
 EVERY_POLICY = list(POLICIES) + ["fixed:noisy", "metasd-ucb+warm"]
+# The fast lane keeps the default policy and ucb-replay (the one that drives the loop's replay
+# path); the choice rules themselves are unit-tested in test_policies.py. The full sweep is slow.
+FAST_LANE_POLICIES = {DEFAULT_POLICY, "ucb-replay"}
+POLICY_CASES = [name if name in FAST_LANE_POLICIES else pytest.param(name, marks=pytest.mark.slow) for name in EVERY_POLICY]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def generate(verifier, pool, policy_name, prompt, params, store, key, k=4, trace
     return result, chooser
 
 
-@pytest.mark.parametrize("policy_name", EVERY_POLICY)
+@pytest.mark.parametrize("policy_name", POLICY_CASES)
 def test_greedy_output_is_the_targets_under_every_policy(policy_name, verifier, pool, prompts, target_lm, greedy_reference):
     store = InMemorySessionStore()
     played: set[str] = set()

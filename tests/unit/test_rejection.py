@@ -204,6 +204,7 @@ FIRST_POSITION_CASES = {
 }
 
 
+@pytest.mark.slow  # statistical: thousands of verify draws per case
 @pytest.mark.parametrize("case", sorted(FIRST_POSITION_CASES))
 def test_first_emitted_token_follows_p(case):
     p0, q = FIRST_POSITION_CASES[case]
@@ -221,6 +222,7 @@ def test_first_emitted_token_follows_p(case):
     assert accepted / DRAWS == pytest.approx(1.0 - tv_pq, abs=0.01)
 
 
+@pytest.mark.slow  # statistical: thousands of verify draws
 def test_second_emitted_token_follows_p_after_an_accepted_draft():
     """Condition on the first draft being accepted: the token emitted at position 2 must follow
     p row 1 (whether it is an accepted draft or a recovered token), and after two accepted drafts

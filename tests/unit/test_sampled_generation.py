@@ -130,6 +130,7 @@ def first_two_samples(target_lm, noisy_lm):
     return exact_first_two(model, PROMPT), spec, plain, proposed, accepted
 
 
+@pytest.mark.slow  # its fixture draws the statistical sample
 def test_exact_distribution_is_usable(first_two_samples):
     expected, *_ = first_two_samples
     assert sum(expected.values()) == pytest.approx(1.0, abs=1e-5)
@@ -137,6 +138,7 @@ def test_exact_distribution_is_usable(first_two_samples):
     assert max(expected.values()) < 0.8  # not (nearly) deterministic
 
 
+@pytest.mark.slow  # statistical: SEEDS generations each way
 def test_speculative_sampling_follows_target_distribution(first_two_samples):
     expected, spec, plain, proposed, accepted = first_two_samples
     # The drafter's first draft was both accepted and rejected in many requests.
