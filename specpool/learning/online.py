@@ -126,7 +126,7 @@ class OnlineConfig:
     # Which transformer blocks learn: None = all; n = only the last n (0: none, so only the output
     # bias, the final norm and the copy weight do). Gradients then stop at the lowest trained
     # block, so a step costs a forward and a short backward instead of a backward through every
-    # block: what a learner sharing cores with serving needs (bench/online.py --learner-process).
+    # block: what a learner sharing cores with serving needs (`specpool bench --online --learner-process`, bench/online_learner.py).
     trainable_blocks: int | None = None
     # The learner's cost (it shares the serving machine): replaying the Tiny Shakespeare stream as
     # served (scripts/online_replay.py --records served --confidence 0.4; argmax supervision, copy
