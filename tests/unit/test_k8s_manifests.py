@@ -95,8 +95,14 @@ def _closed(schema):
 
 
 @functools.cache
+def _crd(kind: str) -> dict:
+    """The vendored CRD of ``kind`` (about 1 MB of YAML each: read once per run)."""
+    return yaml.load((SCHEMAS / CRD_FILES[kind]).read_text(), Loader=_Loader)
+
+
+@functools.cache
 def crd_validator(kind: str, version: str):
-    crd = yaml.load((SCHEMAS / CRD_FILES[kind]).read_text(), Loader=_Loader)
+    crd = _crd(kind)
     assert crd["spec"]["names"]["kind"] == kind
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     assert version in versions, f"{kind} CRD has no version {version}; it has {sorted(versions)}"
@@ -125,7 +131,7 @@ def test_the_vendored_crds_say_where_they_come_from():
     source = (SCHEMAS / "SOURCE.md").read_text()
     assert "ray-project/kuberay" in source and re.search(r"\b[0-9a-f]{40}\b", source), "SOURCE.md names the repository and commit"
     for kind, file in CRD_FILES.items():
-        crd = yaml.load((SCHEMAS / file).read_text(), Loader=_Loader)
+        crd = _crd(kind)
         assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == "ray.io", file
         assert crd["spec"]["names"]["kind"] == kind, file
 
