@@ -1,7 +1,7 @@
 """Sampling parameters and the distributions they define.
 
 The sampling parameters are applied to the *target's* logits: they define p. The drafter's own
-settings only shape q (DESIGN.md, "Lossless by construction").
+settings only shape q (docs/ARCHITECTURE.md, "Lossless by construction").
 """
 
 from __future__ import annotations
