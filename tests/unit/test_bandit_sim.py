@@ -24,6 +24,7 @@ def test_simulated_rounds_follow_the_acceptance_model():
     assert all(r.accepted + 1 == r.emitted and 0 <= r.accepted <= 5 for r in records)
 
 
+@pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_regret_grows_like_log_budget():
     config = SimConfig(alphas=(0.8, 0.5, 0.3), checkpoints=(100, 300, 1000, 3000, 10000), runs=20)
     result = simulate(["metasd-ucb", "random"], config, progress=False)

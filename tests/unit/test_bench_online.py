@@ -63,6 +63,7 @@ def test_spread_pairs_prompts():
     assert render_spread([]) == ""
 
 
+@pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_tiny_online_bench(tmp_path, model_dirs, target_lm, home):
     corpus = tmp_path / "book.txt"
     corpus.write_text("\n\n".join(" ".join(["the cat sat on the mat and the dog ran to the house"] * 4) for _ in range(4)))

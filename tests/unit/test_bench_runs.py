@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from bench import policies as policy_bench
 from bench.cli import run_bench
 from specpool.cli.main import build_parser
@@ -34,6 +36,7 @@ def test_side_by_side_bench(tmp_path, model_dirs, home, capsys):
     assert "specpool bench --prompts" in (tmp_path / "out" / "report.md").read_text()
 
 
+@pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_policy_bench_and_its_rerender(tmp_path, model_dirs, home):
     args = bench_args(tmp_path, model_dirs, "--policies", "metasd-ucb,oracle", "--pool", "ngram,ngram:3")
     assert run_bench(args, SimpleNamespace(home=home)) == 0

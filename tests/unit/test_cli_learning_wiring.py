@@ -388,6 +388,7 @@ def test_bench_online_bad_options(cli, tmp_path, options, fragments):
     assert_one_line_error(code, err, *fragments)
 
 
+@pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_specpool_bench_online_gives_the_rows_of_bench_online(cli, tmp_path, zoo_spec, home, model_dirs):
     from bench.online import add_online_arguments, run_online_bench
 

@@ -436,6 +436,7 @@ def test_engine_learns_and_swaps_for_the_next_request(home, model_dirs, zoo_spec
         learning.close()
 
 
+@pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_hot_swap_under_concurrent_requests(home, model_dirs, zoo_spec, tmp_path, engine, prompts):
     """Threads generate while the learner trains and promotes new versions: nothing errors, every
     output is the target's own greedy output, and each request drafts with one version only."""

@@ -80,7 +80,7 @@ def first_new_position(tokens: list[int], candidates) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("k", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_stop_token_inside_an_accepted_run(k, verifier, drafters, prompts, target_lm, greedy_reference):
     """With the target as drafter, the first round accepts k drafts; a stop token at an accepted
     position j < k ends generation right after it, discarding the rest of the run."""

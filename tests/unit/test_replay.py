@@ -42,7 +42,7 @@ def drafters_under_test(noisy_lm, random_lm):
     }
 
 
-@pytest.mark.parametrize("k", [1, 4, 6])
+@pytest.mark.parametrize("k", [1, 4, pytest.param(6, marks=pytest.mark.slow)])
 def test_replay_is_the_accepted_count_drafting_would_have_had(verifier, noisy_lm, random_lm, target_lm, prompts,
                                                               greedy_reference, k):
     target = target_lm[0]
