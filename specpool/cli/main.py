@@ -44,6 +44,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # A table of commands and flags, read as one: splitting it by command would hide the shared options.
     parser = _Parser(prog="specpool", description="Lossless speculative decoding with a pool of drafters.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default: ngram and every shipped zoo drafter)")
     gen.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight β > 0 (default {DEFAULT_BETA})")
     gen.add_argument("--probe-rounds", type=int, default=DEFAULT_PROBE_ROUNDS,
-                     help="ucb-replay: rounds in which every drafter is replayed on the target's tokens (default 4)")
+                     help=f"ucb-replay: rounds in which every drafter is replayed on the target's tokens (default {DEFAULT_PROBE_ROUNDS})")
     gen.add_argument("--tenant", default=DEFAULT_TENANT, help=f"tenant whose statistics a +warm policy starts from (default: {DEFAULT_TENANT})")
     gen.add_argument("--session", default=None, help="session id: bandit state carries over between requests of one session")
     gen.add_argument("--store", default="memory", help="bandit state store: memory (default) or redis://HOST:PORT/DB")

@@ -185,6 +185,9 @@ def speculative_generate(
     ``return_top_k`` > 0 asks the target for its sparse top-K p at each position of such rounds
     (the supervision online learning trains on). Neither changes the generated tokens.
     """
+    # Over 80 lines on purpose: one round reads top to bottom (choose, draft, verify, cut at a
+    # stop token, replay, record, update), and its timing points (round start, drafted, verified)
+    # must stay in the order the record reports them; helpers would scatter them.
     started = time.perf_counter()
     generated: list[int] = []
     rounds: list[RoundRecord] = []
