@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "specpool"
@@ -54,28 +55,23 @@ def copy_package_sources(destination: Path) -> Path:
     return destination
 
 
-def test_the_layer_check_reports_an_upward_import(tmp_path):
+@pytest.mark.parametrize("module, injected, contract, reported", [
+    ("errors", "import specpool.services.engine  # injected: core -> services",
+     "specpool's layers import only downward", "specpool.core.errors -> specpool.services.engine"),
+    ("defaults", "import torch  # injected: core must stay torch-free",
+     "core (errors, defaults, limits) imports no third-party package", "specpool.core.defaults -> torch"),
+])
+def test_the_contracts_report_an_injected_import(tmp_path, module, injected, contract, reported):
+    """The check can fail: the same contracts, run on a copy of the package with one bad import."""
     copy = copy_package_sources(tmp_path)
-    errors = copy / PACKAGE / "core" / "errors.py"
-    errors.write_text(errors.read_text() + "\nimport specpool.services.engine  # injected: core -> services\n")
+    source = copy / PACKAGE / "core" / f"{module}.py"
+    source.write_text(source.read_text() + f"\n{injected}\n")
 
     result = lint_imports(copy)
 
     assert result.returncode != 0, result.stdout
-    assert "specpool's layers import only downward BROKEN" in result.stdout, result.stdout
-    assert "specpool.core.errors -> specpool.services.engine" in result.stdout, result.stdout
-
-
-def test_the_forbidden_contracts_report_a_third_party_import(tmp_path):
-    copy = copy_package_sources(tmp_path)
-    defaults = copy / PACKAGE / "core" / "defaults.py"
-    defaults.write_text(defaults.read_text() + "\nimport torch  # injected: core must stay torch-free\n")
-
-    result = lint_imports(copy)
-
-    assert result.returncode != 0, result.stdout
-    assert "core (errors, defaults, limits) imports no third-party package BROKEN" in result.stdout, result.stdout
-    assert "specpool.core.defaults -> torch" in result.stdout, result.stdout
+    assert f"{contract} BROKEN" in result.stdout, result.stdout
+    assert reported in result.stdout, result.stdout
 
 
 def package_graph() -> grimp.ImportGraph:
