@@ -56,6 +56,10 @@ def load_bench(module: str, command: str, root: Path | None = None) -> ModuleTyp
         except BaseException:
             del sys.modules["bench"]
             raise
+        # Child processes started with "spawn" (bench-served's embedded worker) import the
+        # benchmarks by name from sys.path, which they take from this process: give them the checkout.
+        if str(root) not in sys.path:
+            sys.path.append(str(root))
     elif Path(package.__file__).resolve().parent != package_dir:
         raise BenchmarksMissing(f"`specpool {command}` needs the benchmarks of {package_dir}, but another `bench` "
                                 f"package ({package.__file__}) is imported: {INSTALL_HINT}")

@@ -28,6 +28,28 @@ def test_loader_finds_the_checkouts_benchmarks():
     assert bench_loader.CHECKOUT == ROOT  # an editable install runs the package from this checkout
 
 
+SPAWNED_CHILD_IMPORTS_BENCH = """
+import multiprocessing
+from specpool.cli.bench_loader import load_bench
+
+common = load_bench("common", "bench-served")
+child = multiprocessing.get_context("spawn").Process(target=common.default_out, args=("served",))
+child.start()  # as bench-served starts its embedded worker: the child unpickles bench.common.default_out
+child.join(60)
+print(child.exitcode)
+"""
+
+
+def test_loaded_benchmarks_reach_spawned_children(tmp_path):
+    """bench-served runs the embedded engine in a child started with "spawn", which unpickles a
+    function of bench/ by name: the loader must leave the checkout where such a child looks."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", SPAWNED_CHILD_IMPORTS_BENCH], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "0", result.stderr[-2000:]  # the child imported bench and ran
+
+
 def test_loader_without_the_checkout_says_what_to_install(tmp_path):
     with pytest.raises(BenchmarksMissing) as caught:
         load_bench("cli", "bench", root=tmp_path)
