@@ -307,7 +307,12 @@ def training_prompts(trained) -> list[str]:
 
 def test_zoo_drafter_through_the_engine_is_lossless(trained, engine, words):
     spec = f"zoo:{trained.out}"
-    texts = training_prompts(trained)[:3] + [" ".join(words[:5])]
+    # Eight training prompts, not three: the teacher store this run writes differs from process to
+    # process (same target weights; cause not found yet), and so does the trained drafter. Over three
+    # prompts (~25 proposals) its acceptance ranged 0.09-0.50 in 14 runs, one under the 0.1 below;
+    # over eight (~65 proposals) 0.27-0.42. The bar is unchanged, the estimate steadier.
+    trained_on = training_prompts(trained)[:8]
+    texts = trained_on + [" ".join(words[:5])]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=engine.stop_token_ids())
     seen = {1: [0, 0], 3: [0, 0], 5: [0, 0]}  # k -> [accepted, proposed] on the training prompts
     for n, text in enumerate(texts):
@@ -317,7 +322,7 @@ def test_zoo_drafter_through_the_engine_is_lossless(trained, engine, words):
             result = engine.generate(prompt_ids, params, spec, k=k)
             assert result.token_ids == reference, (text, k)
             assert {r.drafter for r in result.rounds} == {spec}
-            if n < 3:
+            if n < len(trained_on):
                 seen[k][0] += sum(r.accepted for r in result.rounds)
                 seen[k][1] += sum(r.proposed for r in result.rounds)
     assert isinstance(engine.drafter(spec), ZooDrafter)
