@@ -59,7 +59,8 @@ from bench.online_report import (FORGETTING_HEADING, SYSTEMS, render, render_spr
                                  write_results)
 from bench.online_stream import stream_prompts
 from specpool.core.errors import check
-from specpool.learning.learner import EmbeddedLearning, LearningConfig
+from specpool.learning.learner import EmbeddedLearning
+from specpool.learning.learning_config import LearningConfig
 from specpool.learning.online import OnlineConfig, parse_step_sizes
 from specpool.services.config import settings_from_env
 from specpool.services.engine import EmbeddedEngine, EngineConfig

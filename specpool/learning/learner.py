@@ -4,9 +4,8 @@ hot-swapped drafter slots (specpool/learning/hot_swap.py) into ``EmbeddedEngine(
 learning=LearningConfig(...))`` (specpool/services/engine.py).
 
 The engine's side of it is ``EmbeddedLearning(config, home)``, ``.prepare(tenant, drafters) ->
-(drafters, feedback)``, ``.top_k`` and ``.close()``; ``LearningConfig``
-(specpool/learning/learning_config.py) is part of this module's interface, so the engine imports
-both from here. The learner's other parts: its loop and commit protocol
+(drafters, feedback)``, ``.top_k`` and ``.close()``; its settings are ``LearningConfig``
+(specpool/learning/learning_config.py). The learner's other parts: its loop and commit protocol
 (specpool/learning/learner_loop.py), a variant's checkpoint (specpool/learning/learner_checkpoint.py)
 and the served learner process (specpool/learning/learner_process.py).
 """
@@ -28,7 +27,6 @@ from specpool.learning.learning_config import LearningConfig, scope_for
 from specpool.learning.model_store import VariantKey, open_model_store
 from specpool.router.loop import RoundFeedback
 
-__all__ = ["EmbeddedLearning", "LearnerThread", "LearningConfig"]
 
 log = logging.getLogger("specpool.learner")
 

@@ -17,7 +17,8 @@ from specpool.core.defaults import DEFAULT_K, DEFAULT_TENANT
 from specpool.drafters.base import Drafter
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.drafters.zoo import shipped_names
-from specpool.learning.learner import EmbeddedLearning, LearningConfig
+from specpool.learning.learner import EmbeddedLearning
+from specpool.learning.learning_config import LearningConfig
 from specpool.router.loop import GenerationResult, RoundRecord
 from specpool.router.policies import PolicyOptions
 from specpool.router.session_store import InMemorySessionStore, SessionStore

@@ -5,6 +5,7 @@ committed results stay small and hold no raw logs."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ print(child.exitcode)
 def test_loaded_benchmarks_reach_spawned_children(tmp_path):
     """bench-served runs the embedded engine in a child started with "spawn", which unpickles a
     function of bench/ by name: the loader must leave the checkout where such a child looks."""
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", SPAWNED_CHILD_IMPORTS_BENCH], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
