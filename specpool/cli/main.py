@@ -140,11 +140,14 @@ def _sampling_params(args: argparse.Namespace, stop_token_ids: tuple[int, ...]):
 
 
 def cmd_generate(args: argparse.Namespace, settings) -> int:
+    # Imported here, not at the top: they load torch, and `specpool --help` should not wait for it.
+    from specpool.cli.learning import check_learning_store, learning_config_from_args, learning_versions
+    from specpool.core.errors import InvalidArgument, NotFound, check
     from specpool.drafters.registry import drafter_kinds, known_spec
     from specpool.drafters.zoo import shipped_names
-    from specpool.core.errors import InvalidArgument, NotFound, check
-    from specpool.router.policies import parse_arm
-    from specpool.services.engine import EmbeddedEngine, EngineConfig
+    from specpool.router.policies import PolicyOptions, make_policy, parse_arm
+    from specpool.router.session_store import SessionKey, open_store
+    from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
     from specpool.target.models import ModelConfig
     from specpool.target.sampling import validate_draft_length
 
@@ -152,10 +155,6 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     check(bool(args.prompt.strip()), "the prompt is empty")
     validate_draft_length(args.k)
     _sampling_params(args, ()).validate()
-    from specpool.router.policies import PolicyOptions, make_policy
-    from specpool.router.session_store import SessionKey, open_store
-    from specpool.services.engine import default_pool
-
     if args.policy is not None and args.drafter is not None:
         raise InvalidArgument("give either --drafter or --policy, not both (a fixed drafter is --policy fixed:NAME)")
     drafter = None if args.drafter == "none" else (args.drafter or ("ngram" if args.policy is None else None))
@@ -173,8 +172,6 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
         if not known_spec(spec):
             raise NotFound(f"unknown drafter {spec!r}; known: {names}")
     SessionKey(args.tenant, args.session or "cli")  # validate ids before loading anything
-    from specpool.cli.learning import check_learning_store, learning_config_from_args, learning_versions
-
     learning = learning_config_from_args(args)  # None without --learn
     check_learning_store(learning)
     store = open_store(args.store)  # a bad or unreachable store fails here, before the model load
