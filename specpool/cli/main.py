@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--teacher-time-limit", type=float, default=0.0, metavar="MIN",
                        help="start no new teacher batch after MIN minutes; train on the prompts answered so far")
     train.add_argument("--teacher-only", action="store_true", help="only precompute the target's answers (the teacher store), then stop")
+    train.add_argument("--arch", choices=("zoo", "eagle"), default="zoo",
+                       help="zoo: a black-box drafter; eagle: a white-box head that reads the target's features")
+    train.add_argument("--recipe", default="eagle", help="eagle only: eagle (teacher-forced, EAGLE-1) or unroll "
+                       "(trained on its own guessed features, EAGLE-3's training-time test simplified)")
+    train.add_argument("--unroll", type=int, default=3, help="eagle --recipe unroll: steps unrolled")
     train.add_argument("--init-from", default=None, metavar="DRAFTER",
                        help="start from a trained zoo drafter (shipped name or folder) instead of the target's layers: "
                             "fine-tune a broader drafter on a small domain")
@@ -280,7 +285,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
     if bool(args.data) == bool(args.data_root):
         raise InvalidArgument("give either --data PATH... or --data-root DIR (the domain's default recipe)")
     data = args.data or [str(Path(args.data_root) / p) for p in DEFAULT_RECIPES[args.domain]]
-    out = Path(args.out) if args.out else settings.home / "zoo" / "drafters" / args.domain
+    out = Path(args.out) if args.out else settings.home / "zoo" / ("heads" if args.arch == "eagle" else "drafters") / args.domain
     check_output_dir(out)
     if args.background:
         import subprocess
@@ -300,6 +305,20 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
         teacher_batch=args.teacher_batch, time_limit_s=max(args.time_limit, 0.0) * 60,
         teacher_time_limit_s=max(args.teacher_time_limit, 0.0) * 60, init_from=args.init_from,
     )
+    if args.arch == "eagle":
+        from dataclasses import replace
+
+        from specpool.learning.eagle_train import HeadOptions, train_head
+
+        options = HeadOptions(recipe=args.recipe, unroll=args.unroll, init_from=args.init_from)
+        metadata = train_head(replace(config, init_from=None), options, settings.home, out, args.resume,
+                              args.target or DEFAULT_TARGET, device=args.device, teacher_only=args.teacher_only)
+        if args.teacher_only:
+            print(f"{args.domain}: teacher data with features for {metadata['teacher_prompts']} prompts in {metadata['store']}")
+        else:
+            print(f"{metadata['name']}: {out} (steps {metadata['steps']}, held-out tokens per round "
+                  f"{metadata['best_heldout_acceptance']} at step {metadata['best_step']})")
+        return 0
     metadata = train_drafter(config, settings.home, out, args.resume, args.target or DEFAULT_TARGET,
                              device=args.device, teacher_only=args.teacher_only)
     if args.teacher_only:

@@ -52,6 +52,13 @@ class SessionBusy(SpecpoolError):
     code = "ABORTED"
 
 
+class FailedPrecondition(SpecpoolError):
+    """The system is not in the state the call needs (a white-box arm whose target returns no
+    features; features that arrive after a gap); the message says what to do."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class IncompatibleModels(InvalidArgument):
     """Drafter and target do not share a tokenizer, so token ids would mean different things."""
 

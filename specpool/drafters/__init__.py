@@ -6,7 +6,7 @@ kinds import the registry and nothing imports back (no cycle).
 """
 
 # The built-in kinds, imported for their registration.
-from specpool.drafters import hf_model, lookup_first, ngram, zoo  # noqa: F401
+from specpool.drafters import eagle, hf_model, lookup_first, ngram, zoo  # noqa: F401
 from specpool.drafters.base import Drafter, Proposal
 from specpool.drafters.registry import create_drafter, drafter_kinds, register_drafter
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from specpool.target.features import Features
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 
@@ -102,6 +103,25 @@ class PerRequestVersions(Protocol):
         """The weights version the session's current request drafts with (0: shipped weights,
         or none chosen yet)."""
         ...
+
+
+@runtime_checkable
+class WhiteBox(Protocol):
+    """A drafter that reads the target's features (``specpool/target/features.py``): an EAGLE-style
+    head (``specpool/drafters/eagle.py``), or a wrapper around one. The request loop asks the target
+    for features only when the pool holds one (``feature_width`` > 0) and hands every round's to
+    each, so a head not played for a while still has the whole context's."""
+
+    feature_width: int  # the target hidden size the head reads; 0: a wrapper around a black-box drafter
+
+    def observe_features(self, session_id: str, features: Features) -> None:
+        """The target's features from ``features.start`` on (they replace any held from there)."""
+        ...
+
+
+def reads_features(drafter: object) -> bool:
+    """Whether ``drafter`` needs the target's features."""
+    return isinstance(drafter, WhiteBox) and drafter.feature_width > 0
 
 
 def leading_matches(proposed: list[int], continuation: list[int]) -> int:

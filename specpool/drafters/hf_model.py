@@ -22,6 +22,39 @@ from specpool.target.sampling import SamplingParams, request_generator
 DRAFTER_STREAM = 1  # random stream id of drafter draws (the target uses 0)
 
 
+def proposal_dist(logits: torch.Tensor, params: SamplingParams, top_k: int,
+                  output_ids: torch.Tensor | None = None) -> SparseDist:
+    """q for one position from a drafter's logits (V,): one-hot argmax when greedy, else the
+    top-K of softmax(logits / T) renormalised, T being the request's temperature. ``output_ids``
+    (V,) maps a reduced output vocabulary's indices to token ids (None: identity)."""
+    if params.greedy:
+        index = int(logits.argmax())
+        return SparseDist.one_hot(index if output_ids is None else int(output_ids[index]))
+    values, ids = torch.topk(logits.float(), min(top_k, logits.shape[-1]))  # (K,), sorted
+    values = (values - values[0]) / params.temperature  # max-shifted: safe at tiny temperatures
+    ids = ids.cpu()
+    if output_ids is not None:
+        ids = output_ids[ids]
+    return SparseDist(ids, torch.softmax(values, dim=-1).cpu())
+
+
+def confidence_stop(logits: torch.Tensor, i: int, k: int, threshold: float) -> bool:
+    """Whether drafting stops after position ``i`` of ``k``: the drafter's top probability there
+    (logits (V,)) is below ``threshold`` (0: never stops early)."""
+    if threshold <= 0.0 or i + 1 >= k:
+        return False
+    return float(torch.softmax(logits.float(), dim=-1).max()) < threshold
+
+
+def sample_draft(dist: SparseDist, params: SamplingParams, position: int) -> int:
+    """The draft token at context ``position`` drawn from q = ``dist`` (argmax when greedy), on the
+    drafters' random stream of the request (the target draws from another)."""
+    if params.greedy:
+        return int(dist.token_ids[0])
+    gen = request_generator(params.seed, position, DRAFTER_STREAM)
+    return int(dist.token_ids[torch.multinomial(dist.probs, 1, generator=gen)])
+
+
 class HFModelDrafter:
     def __init__(
         self,
@@ -50,17 +83,7 @@ class HFModelDrafter:
         self.output_ids = output_ids
 
     def proposal_dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:
-        """q for one position from the drafter's logits (V,): one-hot argmax when greedy, else the
-        top-K of softmax(logits / T) renormalised, T being the request's temperature."""
-        if params.greedy:
-            index = int(logits.argmax())
-            return SparseDist.one_hot(index if self.output_ids is None else int(self.output_ids[index]))
-        values, ids = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]))  # (K,), sorted
-        values = (values - values[0]) / params.temperature  # max-shifted: safe at tiny temperatures
-        ids = ids.cpu()
-        if self.output_ids is not None:
-            ids = self.output_ids[ids]
-        return SparseDist(ids, torch.softmax(values, dim=-1).cpu())
+        return proposal_dist(logits, params, self.top_k, self.output_ids)
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
@@ -73,11 +96,7 @@ class HFModelDrafter:
             logits = cache.logits(context_ids + tokens, n_last=1)[0]  # (V,)
             forward_s += time.perf_counter() - step
             dist = self.proposal_dist(logits, params)
-            if params.greedy:
-                token = int(dist.token_ids[0])
-            else:
-                gen = request_generator(params.seed, len(context_ids) + i, DRAFTER_STREAM)
-                token = int(dist.token_ids[torch.multinomial(dist.probs, 1, generator=gen)])
+            token = sample_draft(dist, params, len(context_ids) + i)
             tokens.append(token)
             q.append(dist)
             if self._stops_after(logits, i, k):
@@ -89,9 +108,7 @@ class HFModelDrafter:
         """Whether drafting stops after position ``i`` of ``k``: the drafter doubts its own token
         there (confidence stop). ``propose`` and ``replay`` share it, so a replay stops where a
         proposal would have."""
-        if self.confidence_threshold <= 0.0 or i + 1 >= k:
-            return False
-        return float(torch.softmax(logits.float(), dim=-1).max()) < self.confidence_threshold
+        return confidence_stop(logits, i, k, self.confidence_threshold)
 
     def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
                params: SamplingParams) -> int:

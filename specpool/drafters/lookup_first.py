@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import time
 
-from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, leading_matches
+from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, WhiteBox, leading_matches
 from specpool.drafters.ngram import NGramDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter, register_drafter
 from specpool.core.errors import InvalidArgument
+from specpool.target.features import Features
 from specpool.target.sampling import SamplingParams
 
 
@@ -31,6 +32,8 @@ class LookupFirstDrafter:
         self.inner = inner
         self.lookup = lookup if lookup is not None else NGramDrafter(f"{name}/lookup")
         self.tokenizer_fingerprint = inner.tokenizer_fingerprint
+        # In front of a white-box head (``lookup:eagle:code``) it passes the target's features on.
+        self.feature_width = inner.feature_width if isinstance(inner, WhiteBox) else 0
         self.cost = CostMeter()
         self.lookup_rounds = 0  # raw counters: rounds answered by lookup, and by the inner drafter
         self.inner_rounds = 0
@@ -56,6 +59,10 @@ class LookupFirstDrafter:
         if not isinstance(self.inner, Replayable):
             return None
         return self.inner.replay(session_id, context_ids, continuation, k, params)
+
+    def observe_features(self, session_id: str, features: Features) -> None:
+        if isinstance(self.inner, WhiteBox):
+            self.inner.observe_features(session_id, features)
 
     def release(self, session_id: str) -> None:
         self.lookup.release(session_id)

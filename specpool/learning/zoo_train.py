@@ -70,6 +70,10 @@ class TrainConfig:
     # A trained zoo drafter (shipped name or folder) whose blocks, norm and output biases start
     # this run instead of the target's layers: a small domain fine-tunes a broader drafter.
     init_from: str | None = None
+    # > 0: the teacher store also keeps the target's final hidden states (its *features*, what the
+    # LM head reads) at the answer positions and this many prompt positions before them: the
+    # training data of white-box heads (specpool/learning/eagle_train.py). 0: the zoo's store.
+    features_context: int = 0
 
 
 # --- 1. teacher data --------------------------------------------------------------------------
@@ -79,8 +83,10 @@ def teacher_store_key(config: TrainConfig, target_fingerprint: str) -> str:
     """Teacher answers depend on the target and on how it answers, not on the drafter trained:
     every run with the same key shares one store, so the general drafter reuses the domain
     drafters' answers (its prompts are a subset of theirs, specpool/learning/zoo_data.py)."""
-    material = json.dumps([TEACHER_FORMAT, config.max_new_tokens, config.max_prompt_tokens,
-                           config.teacher_top_k, target_fingerprint])
+    fields = [TEACHER_FORMAT, config.max_new_tokens, config.max_prompt_tokens, config.teacher_top_k, target_fingerprint]
+    if config.features_context:  # a separate store: its shards hold features too
+        fields.append(["features", config.features_context])
+    material = json.dumps(fields)
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
@@ -117,6 +123,11 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
     The target answers greedily, batched (left padding), keeping its top-K p at each answer
     position. One shard per batch, written atomically, so an interrupted run loses at most the
     batch in flight and a rerun answers only what is missing.
+
+    With ``config.features_context`` > 0 a forward hook on the target's final norm records its
+    features during the same generate call (no second pass): shard rows then also hold
+    ``features`` (float16, positions ``feature_starts[i]`` .. len-2 of sequence i: the last
+    token's is never needed, a head predicts it from the one before).
     """
     entered = time.perf_counter()  # the time limit counts from here, encoding included
     store.mkdir(parents=True, exist_ok=True)
@@ -124,9 +135,24 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
     missing = [p for p in dict.fromkeys(prompts) if prompt_hash(p) not in index]
     encoded = {p: encode_chat(tokenizer, p, config.max_prompt_tokens) for p in missing}
     missing.sort(key=lambda p: len(encoded[p]))  # similar lengths batch well
-    pad = stop_token_ids[0]
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc=f"teacher answers ({config.domain})",
                unit="prompt", dynamic_ncols=True)
+    captured: list[torch.Tensor] = []  # the final norm's output per forward: (B, W, d), then (B, 1, d) per step
+    hook = None
+    if config.features_context:
+        hook = model.get_decoder().norm.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    try:
+        _answer_batches(model, missing, encoded, store, config, stop_token_ids, entered, index, bar, captured)
+    finally:
+        if hook is not None:
+            hook.remove()
+    bar.close()
+    return index
+
+
+def _answer_batches(model, missing, encoded, store, config, stop_token_ids, entered, index, bar, captured) -> None:
+    """The batch loop of ``generate_teacher``: one shard per batch of ``config.teacher_batch``."""
+    pad = stop_token_ids[0]
     tokens_done, started = 0, time.perf_counter()
     for first in range(0, len(missing), config.teacher_batch):
         if config.teacher_time_limit_s and time.perf_counter() - entered > config.teacher_time_limit_s:
@@ -135,6 +161,7 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
             break
         batch = missing[first:first + config.teacher_batch]
         width = max(len(encoded[p]) for p in batch)
+        captured.clear()
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
         for row, p in enumerate(batch):  # left padding: answers start at the same column
@@ -153,6 +180,7 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
         del tops
         answers = out.sequences[:, width:].cpu()  # (B, T)
         tokens, offsets, starts, label_ids, label_probs = [], [0], [], [], []
+        features, feature_starts = [], []
         for row, p in enumerate(batch):
             answer = answers[row].tolist()
             end = next((t + 1 for t, tok in enumerate(answer) if tok in stop_token_ids), len(answer))
@@ -162,11 +190,24 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
             label_ids.append(top_ids[row, :end].cpu())
             label_probs.append(top_p[row, :end].cpu())
             tokens_done += end
+            if captured:
+                first_kept = max(len(encoded[p]) - config.features_context, 0)
+                prompt_part = captured[0][row, width - len(encoded[p]) + first_kept:]  # (P - first_kept, d)
+                # Decode step s fed the answer's token s-1, at position P + s - 1; positions up to
+                # len - 2 are wanted, i.e. steps 1 .. end - 1.
+                answer_part = [step[row] for step in captured[1:end]]  # end - 1 rows of (1, d)
+                features.append(torch.cat([prompt_part, *answer_part]).to(torch.float16).cpu())
+                feature_starts.append(first_kept)
         # Named by its prompts, not by a counter: runs of several domains can fill one store at
         # the same time (their prompts differ) without clobbering each other's shards.
         batch_key = hashlib.sha256(",".join(str(prompt_hash(p)) for p in batch).encode()).hexdigest()[:16]
         shard = store / f"shard-{batch_key}.safetensors"
+        extra = {}
+        if captured:
+            extra = {"features": torch.cat(features),  # (rows, d) float16, sequence after sequence
+                     "feature_starts": torch.tensor(feature_starts, dtype=torch.int64)}  # (n,)
         _atomic_save({
+            **extra,
             "prompt_hashes": torch.tensor([prompt_hash(p) for p in batch], dtype=torch.int64),  # (n,)
             "tokens": torch.tensor(tokens, dtype=torch.int32),  # all sequences, concatenated
             "offsets": torch.tensor(offsets, dtype=torch.int64),  # (n+1,) sequence boundaries
@@ -178,8 +219,6 @@ def generate_teacher(model, tokenizer, prompts: list[str], store: Path, config: 
             index[prompt_hash(p)] = (shard, row)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - started):.0f}")
-    bar.close()
-    return index
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

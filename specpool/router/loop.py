@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from specpool.drafters.base import Drafter, Proposal, Replayable
+from specpool.drafters.base import Drafter, Proposal, Replayable, WhiteBox, reads_features
+from specpool.core.errors import FailedPrecondition
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
@@ -184,6 +185,11 @@ def speculative_generate(
     ``feedback`` (online learning) is called after every round that drafted something;
     ``return_top_k`` > 0 asks the target for its sparse top-K p at each position of such rounds
     (the supervision online learning trains on). Neither changes the generated tokens.
+
+    A pool with white-box drafters (``specpool.drafters.base.WhiteBox``) asks the target for its
+    features every round and hands them to each of them; its first round is the target's prefill
+    alone (a head drafts from the features of the context, which the target has not yet seen),
+    recorded as a target-only step and not charged to any arm.
     """
     # Over 80 lines on purpose: one round reads top to bottom (choose, draft, verify, cut at a
     # stop token, replay, record, update), and its timing points (round start, drafted, verified)
@@ -193,6 +199,7 @@ def speculative_generate(
     rounds: list[RoundRecord] = []
     stop_ids = set(params.stop_token_ids)
     finish_reason = "length"
+    white_box: list[WhiteBox] = [d for d in drafters.values() if reads_features(d)]  # type: ignore[misc]
     while len(generated) < params.max_new_tokens:
         if should_stop is not None and should_stop():
             finish_reason = "cancelled"
@@ -200,7 +207,7 @@ def speculative_generate(
         round_started = time.perf_counter()
         remaining = params.max_new_tokens - len(generated)
         context = prompt_ids + generated
-        choice = chooser.select()
+        choice = Choice(None) if white_box and not rounds else chooser.select()
         name = choice.drafter
         k_round = min(choice.k or k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
         proposal = _EMPTY
@@ -208,8 +215,15 @@ def speculative_generate(
             proposal = drafters[name].propose(session_id, context, k_round, params)
         drafted = time.perf_counter()
         top_k = return_top_k if proposal.tokens else 0
-        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params, return_top_k=top_k))
+        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params,
+                                               return_top_k=top_k, return_features=bool(white_box)))
         verified = time.perf_counter()
+        if white_box:
+            if result.features is None:
+                raise FailedPrecondition("the pool has white-box drafters but the target returned no features "
+                                         "(a target deployment too old to return them?)")
+            for drafter in white_box:
+                drafter.observe_features(session_id, result.features)
 
         emitted = result.tokens
         for i, token in enumerate(emitted):
@@ -238,7 +252,8 @@ def speculative_generate(
             replay_s=replay_s,
         )
         rounds.append(record)
-        chooser.update(record)
+        if not (white_box and len(rounds) == 1):  # the white-box prefill is no arm's round
+            chooser.update(record)
         if on_round is not None:
             on_round(record)
         if feedback is not None and proposal.tokens and name is not None:

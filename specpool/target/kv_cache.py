@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from specpool.target.features import Features
+
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed ``past_key_values`` to ``cache`` in v5; accept both."""
@@ -80,7 +82,6 @@ class PrefixCache:
         self.truncate(keep)
         return keep
 
-    @torch.inference_mode()
     def logits(self, input_ids: list[int], n_last: int, pad_to: int = 0) -> torch.Tensor:
         """Logits (n_last, V) for the last ``n_last`` positions of ``input_ids``.
 
@@ -89,15 +90,24 @@ class PrefixCache:
         the real ones (see ``specpool.target.verifier.forward_width``). Causal attention keeps pads from
         touching the real positions; their logits are dropped and their keys/values cropped.
         """
+        return self.logits_and_features(input_ids, n_last, pad_to)[0]
+
+    @torch.inference_mode()
+    def logits_and_features(self, input_ids: list[int], n_last: int, pad_to: int = 0,
+                            features: bool = False) -> tuple[torch.Tensor, Features | None]:
+        """``logits`` and, with ``features``, the final hidden states of every position fed
+        (``specpool/target/features.py``): the rows of positions kept .. len(input_ids)-1."""
         keep = self.reuse(input_ids, n_last)
         fed = input_ids[keep:]
         pads = max(0, pad_to - len(fed))
         new = torch.tensor([fed + fed[-1:] * pads], dtype=torch.long, device=self.model.device)  # (1, T + pads)
-        out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last + pads, **{self._kwarg: self.cache})
+        extra = {"output_hidden_states": True} if features else {}  # drafters' own models know no such flag
+        out = self.model(input_ids=new, use_cache=True, logits_to_keep=n_last + pads, **extra, **{self._kwarg: self.cache})
         if pads:
             self.cache.crop(-pads)  # negative = remove that many from the end (v4 and v5)
         self.token_ids = list(input_ids)
-        return out.logits[0, -n_last - pads:out.logits.shape[1] - pads]  # (n_last, V)
+        rows = Features(keep, out.hidden_states[-1][0, : len(fed)]) if features else None  # (T, d), after the last norm
+        return out.logits[0, -n_last - pads:out.logits.shape[1] - pads], rows  # (n_last, V)
 
 
 def supports_batched_logits(model: PreTrainedModel) -> bool:
@@ -173,9 +183,17 @@ def _set_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: 
 MIN_VIEW_FILL = 0.5
 
 
-@torch.inference_mode()
 def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n_lasts: Sequence[int]) -> list[torch.Tensor]:
-    """``[caches[i].logits(inputs[i], n_lasts[i]) for i]`` in ONE forward pass of the model.
+    """``[caches[i].logits(inputs[i], n_lasts[i]) for i]`` in ONE forward pass of the model
+    (``batched_logits_and_features`` without features)."""
+    return [logits for logits, _ in batched_logits_and_features(caches, inputs, n_lasts)]
+
+
+@torch.inference_mode()
+def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n_lasts: Sequence[int],
+                                features: bool = False) -> list[tuple[torch.Tensor, Features | None]]:
+    """``[caches[i].logits_and_features(inputs[i], n_lasts[i], features=features) for i]`` in ONE
+    forward pass of the model.
 
     Why: on a shared target, B sessions each verifying k+1 positions cost B forwards of k+1
     tokens; one forward of B x (k+1) tokens reads the weights once (the dominant cost of a small
@@ -235,8 +253,10 @@ def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n
         position_ids=position_ids.to(device),
         use_cache=True,
         logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=device),  # (U,)
+        **({"output_hidden_states": True} if features else {}),
         **{caches[0]._kwarg: batch_cache},
     )
+    hidden = out.hidden_states[-1] if features else None  # (B, T, d), after the last norm
     logits = out.logits  # (B, U, V)
     column = {j: u for u, j in enumerate(wanted)}
 
@@ -250,7 +270,8 @@ def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n
             values = layer.values[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
             _set_layer(cache.cache, layer_idx, keys if views else keys.clone(), values if views else values.clone())
         cache.token_ids = list(ids)
-        results.append(logits[i, column[n - m] : column[n - 1] + 1])  # (n_last, V)
+        rows = Features(keep, hidden[i, :n]) if hidden is not None else None  # (n_i, d)
+        results.append((logits[i, column[n - m] : column[n - 1] + 1], rows))  # (n_last, V)
     return results
 
 

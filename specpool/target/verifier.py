@@ -16,7 +16,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specpool.core.errors import InvalidArgument, SpecpoolError
 from specpool.target.cpu_linear import has_packed_linears
-from specpool.target.kv_cache import PrefixCache, SessionCaches, batched_logits, supports_batched_logits
+from specpool.target.features import Features
+from specpool.target.kv_cache import PrefixCache, SessionCaches, batched_logits_and_features, supports_batched_logits
 from specpool.target.models import context_window, tokenizer_fingerprint
 from specpool.target.rejection import SparseDist, speculative_verify
 from specpool.target.sampling import SamplingParams, logits_to_probs, request_generator
@@ -55,6 +56,9 @@ class VerifyRequest:
     q: list[SparseDist]  # the proposal each x_i was drawn from
     params: SamplingParams
     return_top_k: int = 0  # > 0: also return the target's sparse top-K p at each position
+    # Also return the features of the positions the target holds after this round (white-box
+    # drafters, specpool/target/features.py); False costs nothing.
+    return_features: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class VerifyResult:
     tv: list[float]  # TV(p_j, q_j) per draft position, for the BD reward
     target_top_k: list[SparseDist] | None = None  # softmax(logits) top-K per position, k+1 rows
     forward_s: float = 0.0  # time inside the model forward (the rest is acceptance and bookkeeping)
+    # With return_features: rows of positions (first fed) .. len(context)+accepted-1, i.e. what
+    # the target's cache now holds past the prefix it reused; the bonus token's comes next round.
+    features: Features | None = None
 
 
 def plan_forwards(new_tokens: Sequence[int], split_cost_tokens: int = SPLIT_COST_TOKENS) -> list[list[int]]:
@@ -102,6 +109,7 @@ class TargetVerifier:
         self.tokenizer = tokenizer
         self.caches = SessionCaches(model, cache_capacity)
         self.vocab_size = int(model.config.vocab_size)
+        self.feature_width = int(model.config.hidden_size)  # width of the features white-box heads read
         self.context_window = context_window(model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         # Padded batching needs plain full-attention caches; other models verify one by one.
@@ -124,8 +132,8 @@ class TargetVerifier:
         if len(ids) + pad_to - fed > self.context_window:
             pad_to = fed  # no room for pads at the end of the window
         started = time.perf_counter()
-        logits = cache.logits(ids, n_last=k + 1, pad_to=pad_to)  # (k+1, V)
-        return self._accept(request, cache, logits, time.perf_counter() - started)
+        logits, features = cache.logits_and_features(ids, n_last=k + 1, pad_to=pad_to, features=request.return_features)
+        return self._accept(request, cache, logits, time.perf_counter() - started, features)  # logits (k+1, V)
 
     def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult | SpecpoolError]:
         """Verify requests of DIFFERENT sessions in one batched forward pass. Result i belongs to
@@ -185,15 +193,17 @@ class TargetVerifier:
             return
         caches = [self.caches.get(r.session_id) for r in batch]
         started = time.perf_counter()
-        logits = batched_logits(
+        outputs = batched_logits_and_features(
             caches,
             [r.context_ids + r.draft_tokens for r in batch],
             [len(r.draft_tokens) + 1 for r in batch],
-        )  # B x (k_i+1, V)
+            features=any(r.return_features for r in batch),
+        )  # B x ((k_i+1, V), features)
         forward_s = time.perf_counter() - started
-        for slot, request, cache, rows in zip(slots, batch, caches, logits):
+        for slot, request, cache, (rows, features) in zip(slots, batch, caches, outputs):
             try:
-                results[slot] = self._accept(request, cache, rows, forward_s)
+                results[slot] = self._accept(request, cache, rows, forward_s,
+                                             features if request.return_features else None)
             except SpecpoolError as exc:
                 results[slot] = exc
 
@@ -209,7 +219,8 @@ class TargetVerifier:
         if not 0 <= request.return_top_k <= self.vocab_size:
             raise InvalidArgument(f"return-top-k must be in 0..{self.vocab_size} (the vocabulary), got {request.return_top_k}")
 
-    def _accept(self, request: VerifyRequest, cache: PrefixCache, logits: torch.Tensor, forward_s: float) -> VerifyResult:
+    def _accept(self, request: VerifyRequest, cache: PrefixCache, logits: torch.Tensor, forward_s: float,
+                features: Features | None = None) -> VerifyResult:
         """Acceptance over the target's logits (k+1, V) for this request's last k+1 positions, the
         cache rollback to context + accepted, and the optional top-K: the part of a round after
         the forward, shared by ``verify`` and ``verify_batch``."""
@@ -226,7 +237,10 @@ class TargetVerifier:
             probs = torch.softmax(logits.float(), dim=-1)  # (k+1, V) at temperature 1, for distillation
             values, ids = torch.topk(probs, request.return_top_k, dim=-1)  # (k+1, K)
             top_k = [SparseDist(ids[j].cpu(), values[j].cpu()) for j in range(k + 1)]
-        return VerifyResult(outcome.accepted, outcome.tokens, outcome.tv, top_k, forward_s)
+        if features is not None:  # the rejected drafts' rows go with their keys and values
+            kept = len(request.context_ids) + outcome.accepted
+            features = Features(features.start, features.rows[: max(kept - features.start, 0)])
+        return VerifyResult(outcome.accepted, outcome.tokens, outcome.tv, top_k, forward_s, features)
 
     def release(self, session_id: str) -> None:
         self.caches.release(session_id)

@@ -219,11 +219,11 @@ def test_padded_logits_equal_unpadded_and_leave_no_pads_cached(target_lm, pad_to
 def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(target_lm, greedy_reference, monkeypatch):
     model, tokenizer = target_lm
     fed_widths: list[int] = []
-    original = PrefixCache.logits
+    original = PrefixCache.logits_and_features
 
-    def recording(self, input_ids, n_last, pad_to=0):  # observes the forward widths asked for
+    def recording(self, input_ids, n_last, pad_to=0, features=False):  # observes the forward widths asked for
         fed_widths.append(max(pad_to, len(input_ids) - self.reusable(input_ids, n_last)))
-        return original(self, input_ids, n_last, pad_to)
+        return original(self, input_ids, n_last, pad_to, features)
 
     context = [1, 4, 8, 15, 16, 23, 42]
     t = greedy_reference(model, context, 12)
@@ -231,7 +231,7 @@ def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(targ
     # The CPU default (packed linears: only 3 positions pad, to 4), plain linears' widths, no padding.
     for widths in (None, CPU_FORWARD_WIDTHS, ()):
         verifier = TargetVerifier(model, tokenizer, forward_widths=widths)
-        monkeypatch.setattr(PrefixCache, "logits", recording)
+        monkeypatch.setattr(PrefixCache, "logits_and_features", recording)
         fed_widths.clear()
         results = []
         ctx = list(context)
@@ -242,7 +242,7 @@ def test_verifier_pads_small_forwards_on_the_cpu_and_gives_the_same_outcome(targ
             ctx = ctx + result.tokens
             assert verifier.caches.get("s").token_ids == ctx[:-1]
             assert cached_length(verifier.caches.get("s")) == len(ctx) - 1
-        monkeypatch.setattr(PrefixCache, "logits", original)
+        monkeypatch.setattr(PrefixCache, "logits_and_features", original)
         outcomes[widths] = (results, list(fed_widths))
     assert outcomes[None][0] == outcomes[CPU_FORWARD_WIDTHS][0] == outcomes[()][0]
     assert TargetVerifier(model, tokenizer).forward_widths == PACKED_CPU_FORWARD_WIDTHS
@@ -256,13 +256,13 @@ def test_verifier_does_not_pad_past_the_context_window(target_lm, monkeypatch):
     model, tokenizer = target_lm
     context, drafts = [1, 4, 8, 15, 16, 23, 42], [5]  # 2 positions: padded to 4 with plain linears' widths
     pads_asked: list[int] = []
-    original = PrefixCache.logits
+    original = PrefixCache.logits_and_features
 
-    def recording(self, input_ids, n_last, pad_to=0):
+    def recording(self, input_ids, n_last, pad_to=0, features=False):
         pads_asked.append(pad_to)
-        return original(self, input_ids, n_last, pad_to)
+        return original(self, input_ids, n_last, pad_to, features)
 
-    monkeypatch.setattr(PrefixCache, "logits", recording)
+    monkeypatch.setattr(PrefixCache, "logits_and_features", recording)
     for window, expected_pad_to in ((None, 4), (len(context) + len(drafts) + 1, 2)):
         verifier = TargetVerifier(model, tokenizer, forward_widths=CPU_FORWARD_WIDTHS)
         verifier.verify(VerifyRequest("s", context, [], [], SamplingParams(max_new_tokens=4)))

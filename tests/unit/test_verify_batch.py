@@ -323,7 +323,7 @@ def test_batch_of_one_is_plain_verify(verifier, reference, drafters, prompts, mo
     def no_batching(*args, **kwargs):
         raise AssertionError("a batch of one must not take the padded path")
 
-    monkeypatch.setattr("specpool.target.verifier.batched_logits", no_batching)
+    monkeypatch.setattr("specpool.target.verifier.batched_logits_and_features", no_batching)
     r = request(drafters, "noisy", "solo", prompts[7], 5, SamplingParams(temperature=0.9, seed=2, max_new_tokens=10))
     [got] = verifier.verify_batch([r])
     assert_same_result(got, reference.verify(r))

@@ -1,0 +1,213 @@
+"""White-box drafters: ``eagle:NAME`` (a shipped head) or ``eagle:PATH`` (a trained folder).
+
+An EAGLE head (specpool/drafters/eagle_model.py) drafts from the target's own features, which
+verification returns when the pool holds a white-box arm (specpool/target/features.py, and
+``speculative_generate`` in specpool/router/loop.py). Per session the drafter keeps
+
+- a ``FeatureLog``: the target's feature of every context position it has been told about;
+- the head's KV cache over head positions 0 .. m-1 (position t read x_{t+1} and f_t), and the
+  tokens those positions read, so a new round only computes the positions it has not seen and a
+  changed context (another request of the session, a rollback) cuts the cache where it differs.
+
+A round with context x_0 .. x_{n-1} needs f_0 .. f_{n-2} (the last token's feature comes with the
+next verification): the head catches up on positions m .. n-2 in one forward, whose last output
+guesses f_{n-1} and so the first draft token; each further draft step feeds the head its own
+guess. Draft positions are cropped from the cache afterwards: they were computed from guessed
+features, the next round has the target's. Each draft token's q is exactly the distribution it was
+drawn from (one-hot when greedy, top-K at the request's temperature otherwise), mapped from the
+reduced vocabulary to full ids, so verification stays lossless (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
+from specpool.drafters.base import CostMeter, Proposal, leading_matches
+from specpool.drafters.eagle_model import EagleConfig, EagleHead
+from specpool.drafters.hf_model import confidence_stop, proposal_dist, sample_draft
+from specpool.drafters.registry import DrafterContext, register_drafter, register_name_resolver
+from specpool.drafters.zoo_model import KVCache
+from specpool.target.features import Features, FeatureLog
+from specpool.target.kv_cache import common_prefix_length
+from specpool.target.models import resolve_model
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+
+SHIPPED_DIR = Path(__file__).parent / "heads"
+HEAD_KIND = "eagle"
+
+
+def shipped_heads() -> list[str]:
+    """Head folders shipped in specpool/drafters/heads/."""
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").exists())
+
+
+def head_folder(argument: str) -> Path:
+    """A shipped head's name (``general``) -> its folder; anything else is a path."""
+    return SHIPPED_DIR / argument if argument in shipped_heads() else Path(argument).expanduser()
+
+
+def target_card(target_dir: Path) -> dict:
+    """What a head must match in its target: feature width and depth (from its config.json)."""
+    config = json.loads((target_dir / "config.json").read_text())
+    return {"hidden_size": int(config["hidden_size"]), "num_hidden_layers": int(config["num_hidden_layers"])}
+
+
+def check_card(metadata: dict, target_name: str, card: dict, where: Path) -> None:
+    """One line when the head was trained for another target than the one it would serve."""
+    trained = metadata.get("target_card", {})
+    for key, label in (("hidden_size", "width"), ("num_hidden_layers", "layers")):
+        if trained.get(key) != card[key]:
+            raise IncompatibleModels(
+                f"white-box head {where} was trained for {metadata.get('target')} ({label} {trained.get(key)}), "
+                f"but the target {target_name} has {label} {card[key]}: train a head for this target "
+                f"(specpool zoo train --arch eagle)")
+
+
+def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") -> tuple[EagleHead, dict]:
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not config_path.exists() or not weights_path.exists():
+        raise ModelUnavailable(f"{folder} is not a white-box head (needs config.json and model.safetensors)")
+    metadata = json.loads(config_path.read_text())
+    if metadata.get("kind") != HEAD_KIND:
+        raise InvalidArgument(f"{folder} holds a {metadata.get('kind')!r} drafter, not a white-box head; "
+                              f"load it as {metadata.get('kind')}:{folder}")
+    target_dir = Path(resolve_model(target, home))
+    check_card(metadata, target, target_card(target_dir), folder)
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as handle:
+        embedding = handle.get_tensor("model.embed_tokens.weight").float()  # (V, d), frozen, shared
+        output = handle.get_tensor("lm_head.weight").float() if "lm_head.weight" in handle.keys() else None
+    try:
+        weights = load_file(str(weights_path))
+    except Exception as exc:  # noqa: BLE001 - any unreadable file means the same to the user
+        raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
+    head = EagleHead(EagleConfig(**metadata["model"]), embedding, weights["vocab_ids"].long(), output)
+    head.load_state_dict({k: v.float() if v.is_floating_point() else v.long() for k, v in weights.items()})
+    head.to(device).eval()
+    return head, metadata
+
+
+@dataclass
+class HeadSession:
+    """One session's state in one head (module docstring)."""
+
+    features: FeatureLog
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)  # x_{t+1} read by head positions 0 .. m-1
+
+    def crop(self, length: int) -> None:
+        """Keep head positions 0 .. length-1."""
+        extra = len(self.tokens) - length
+        if extra > 0:
+            self.cache.crop(-extra)
+            del self.tokens[length:]
+
+
+class EagleDrafter:
+    """``specpool.drafters.base`` Drafter, Replayable and WhiteBox over an ``EagleHead``."""
+
+    def __init__(self, name: str, head: EagleHead, metadata: dict, top_k: int = 16,
+                 confidence_threshold: float = 0.3, cache_capacity: int = 64):
+        if top_k < 1:
+            raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
+        self.name = name
+        self.head = head
+        self.metadata = metadata
+        self.tokenizer_fingerprint = metadata["target_tokenizer_fingerprint"]
+        self.feature_width = head.config.hidden_size
+        self.top_k = top_k
+        # Stop drafting where the head doubts its own token (as the zoo drafters do): on a CPU
+        # every verified position costs. The stop depends only on the head's state: exact.
+        self.confidence_threshold = confidence_threshold
+        self.cache_capacity = cache_capacity
+        self.cost = CostMeter()
+        self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
+        self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
+
+    def _session(self, session_id: str) -> HeadSession:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            session = HeadSession(FeatureLog(self.feature_width, device=self.head.device), self.head.new_cache())
+        self._sessions[session_id] = session
+        while len(self._sessions) > self.cache_capacity:
+            self._sessions.popitem(last=False)
+        return session
+
+    def observe_features(self, session_id: str, features: Features) -> None:
+        session = self._session(session_id)
+        session.features.apply(features)  # a gap raises FeatureGap: the sender resends
+        session.crop(features.start)  # positions from start on read features that may have changed
+
+    def features_held(self, session_id: str) -> int:
+        """How many positions' features the session holds (0 for an unknown session)."""
+        session = self._sessions.get(session_id)
+        return len(session.features) if session is not None else 0
+
+    @torch.inference_mode()
+    def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        n = len(context_ids)
+        session = self._session(session_id)
+        if k <= 0 or n < 2 or len(session.features) < n - 1:
+            return Proposal([], [])  # no features for this context yet (the loop's prefill round gives them)
+        started = time.perf_counter()
+        # Positions 0 .. m-1 stay if they read these very tokens; at least one position is fed
+        # again, so the head's output at position n-2 (the first draft's source) is at hand.
+        m = min(common_prefix_length(session.tokens, context_ids[1:n]), n - 2)
+        session.crop(m)
+        inputs = torch.tensor([context_ids[m + 1:n]], dtype=torch.long, device=self.head.device)  # (1, n-1-m)
+        feats = session.features.rows(m, n - 1).unsqueeze(0)  # (1, n-1-m, d): f_m .. f_{n-2}
+        guess = self.head(inputs, feats, session.cache)[0, -1]  # (d,): the head's f^_{n-1}
+        session.tokens.extend(context_ids[m + 1:n])
+        tokens: list[int] = []
+        q: list[SparseDist] = []
+        for i in range(k):
+            logits = self.head.reduced_logits(guess)  # (V_r,)
+            dist = proposal_dist(logits, params, self.top_k, self.output_ids)
+            tokens.append(sample_draft(dist, params, n + i))
+            q.append(dist)
+            if i + 1 == k or confidence_stop(logits, i, k, self.confidence_threshold):
+                break
+            step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self.head.device)  # (1, 1)
+            guess = self.head(step, guess.view(1, 1, -1), session.cache)[0, -1]  # position n-1+i
+        session.crop(n - 1)  # draft positions read guessed features; the next round has the target's
+        return Proposal(tokens, q, time.perf_counter() - started)
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        started = time.perf_counter()
+        proposal = self._draft(session_id, context_ids, k, params)
+        self.cost.record(time.perf_counter() - started, len(proposal.tokens))
+        return proposal
+
+    def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
+               params: SamplingParams) -> int | None:
+        """``specpool.drafters.base.Replayable``: a greedy draft is a function of the context and
+        its features, so drafting it again and comparing with the target's tokens is exact. The
+        head's cache ends as it was (draft positions cropped)."""
+        if not params.greedy:
+            raise InvalidArgument("replay needs greedy decoding: a sampled draft is not determined by the context")
+        if self.features_held(session_id) < len(context_ids) - 1:
+            return None  # no features for this context: it cannot say
+        return leading_matches(self._draft(session_id, context_ids, k, params).tokens, continuation)
+
+    def release(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+
+@register_drafter(HEAD_KIND)
+def _make_eagle(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
+    """``eagle:NAME`` (a shipped head) or ``eagle:PATH`` (a trained folder)."""
+    if not argument:
+        raise InvalidArgument(f"eagle needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
+    head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
+    return EagleDrafter(name, head, metadata)
