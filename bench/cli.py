@@ -14,7 +14,7 @@ from bench.common import default_out
 from bench.online import run_online_bench
 from bench.online_args import add_bench_online_arguments, online_args_from_bench
 from bench.policies import run_policy_bench
-from bench.speed import run_speed_bench
+from bench.speed import IN_DOMAIN_CHOICES, run_speed_bench
 from specpool.core.defaults import DEFAULT_BETA, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROBE_ROUNDS
 
 # The side-by-side and policy benchmarks' defaults of the options --online shares: the parser's
@@ -31,14 +31,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length per round, for ours and the HF peers (default {DEFAULT_K})")
     parser.add_argument("--out", default=None,
                         help=f"output folder (default ./{BENCH_DEFAULTS['out']} in the working directory)")
-    parser.add_argument("--in-domain", action="store_true",
-                        help="also run system 'in-domain': for each prompt the shipped zoo drafter of its category")
-    parser.add_argument("--in-domain-lookup", action="store_true",
-                        help="also run system 'in-domain+lookup': the same drafter behind prompt lookup (lookup:DRAFTER)")
+    parser.add_argument("--in-domain", nargs="?", const="zoo", default=None, choices=IN_DOMAIN_CHOICES, metavar="FAMILY",
+                        help="also run, for each prompt, the shipped drafter of its category: zoo (the default; system "
+                             "'in-domain'), eagle (the white-box head, eagle:NAME; system 'in-domain-eagle') or both")
+    parser.add_argument("--in-domain-lookup", nargs="?", const="zoo", default=None, choices=IN_DOMAIN_CHOICES, metavar="FAMILY",
+                        help="the same behind prompt lookup (lookup:DRAFTER; systems 'in-domain+lookup', 'in-domain-eagle+lookup')")
     policies = parser.add_argument_group("policies (bench/policies.py): drafter selection on a shuffled, mixed stream")
     policies.add_argument("--policies", default=None,
                           help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
-    policies.add_argument("--pool", default=None, help="drafters the policies choose among (default: ngram and every shipped zoo drafter)")
+    policies.add_argument("--pool", default=None,
+                          help="drafters the policies choose among (default: ngram and every shipped zoo drafter); "
+                               "'white-box' stands for every shipped head (eagle:NAME), 'mixed' for those, lookup:code and ngram")
     policies.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight (default {DEFAULT_BETA})")
     policies.add_argument("--probe-rounds", type=int, default=DEFAULT_PROBE_ROUNDS,
                           help=f"ucb-replay: rounds in which every drafter is replayed on the target's tokens (default {DEFAULT_PROBE_ROUNDS})")

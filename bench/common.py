@@ -20,6 +20,14 @@ WARMUP_TOKENS = 8
 # Spec-Bench categories -> the shipped zoo drafter trained for them (specpool/learning/zoo_data.py).
 IN_DOMAIN_DRAFTERS = {"chat": "chat", "code": "code", "translation": "translation",
                       "summarization": "summarization_qa", "qa": "summarization_qa", "math": "math"}
+# The same categories -> the shipped white-box head of that domain (specpool/drafters/heads/, eagle:NAME):
+# the heads are trained on the zoo's domains, so the zoo's mapping holds; a category without one gets the general head.
+IN_DOMAIN_FAMILIES = {"zoo": "", "eagle": "eagle:"}  # --in-domain FAMILY -> drafter spec prefix
+GENERAL_DRAFTER = "general"  # fallback of a category outside the mapping, in both families
+# --pool shorthands (expand_pool): the shipped white-box heads, and those with prompt lookup and a black-box drafter.
+POOL_WHITE_BOX = "white-box"
+POOL_MIXED = "mixed"
+MIXED_EXTRA = ["lookup:code", "ngram"]
 # Results go under the working directory, never into the package or the checkout's bench/results/
 # (which holds only the reports the README cites).
 RESULTS_ROOT = "bench-results"
@@ -90,6 +98,34 @@ def parse_drafters(text: str) -> list[str]:
         if not known_spec(spec):
             raise NotFound(f"unknown drafter {spec!r}; known kinds: {', '.join(drafter_kinds())} or a shipped zoo name")
     return specs
+
+
+def shipped_head_specs() -> list[str]:
+    """``eagle:NAME`` of every shipped white-box head; one clear error when none is shipped."""
+    from specpool.drafters.eagle import SHIPPED_DIR, shipped_heads
+
+    heads = shipped_heads()
+    check(bool(heads), f"no white-box heads are shipped in {SHIPPED_DIR} (train them: specpool zoo train --arch eagle)", NotFound)
+    return [f"eagle:{h}" for h in heads]
+
+
+def expand_pool(text: str) -> str:
+    """--pool with its shorthands spelled out: ``white-box`` = every shipped head (``eagle:NAME``),
+    ``mixed`` = those plus ``lookup:code`` and ``ngram``; other items stay as given, duplicates dropped."""
+    items: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if item == POOL_WHITE_BOX:
+            items += shipped_head_specs()
+        elif item == POOL_MIXED:
+            items += shipped_head_specs() + MIXED_EXTRA
+        elif item:
+            items.append(item)
+    return ",".join(dict.fromkeys(items))
+
+
+def in_domain_spec(family: str, category: str) -> str:
+    """The drafter spec system ``in-domain`` (zoo) or ``in-domain-eagle`` runs on a prompt of ``category``."""
+    return IN_DOMAIN_FAMILIES[family] + IN_DOMAIN_DRAFTERS.get(category, GENERAL_DRAFTER)
 
 
 # -- the machine --------------------------------------------------------------------------------

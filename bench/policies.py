@@ -8,6 +8,11 @@ serving), every system runs back to back in one process, the order rotating from
     <policy>          each policy over the whole pool (state in the session store, --store)
     oracle            the fixed drafter that was fastest on this prompt, run again in its own slot
 
+--pool takes drafter specs and two shorthands: ``white-box`` (every shipped head, eagle:NAME) and
+``mixed`` (those, lookup:code and ngram). With a white-box arm in the pool, a policy's first round
+is the target's prefill alone (specpool/router/loop.py), a round of no arm: its record says
+drafter None, and the reports count it as a target-only round (rounds, stopping time, call times).
+
 Each policy keeps its own tenant across the stream, so ``+warm`` policies start a prompt's session
 from what earlier prompts taught that tenant. Writes results.json (rows with ``system`` = policy),
 per_prompt.jsonl, report.md, arm_choices.png and regret.png. Aggregation: bench/policy_report.py.
@@ -27,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import policy_report, report
-from bench.common import WARMUP_PROMPT, WARMUP_TOKENS, Question, load_questions, machine_info, parse_drafters
+from bench.common import WARMUP_PROMPT, WARMUP_TOKENS, Question, expand_pool, load_questions, machine_info, parse_drafters
 from specpool.core.errors import SpecpoolError, check
 from specpool.router.policies import PolicyOptions, make_policy
 from specpool.router.session_store import open_store
@@ -66,7 +71,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     validate_draft_length(args.k)
     options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
     options.validate()
-    pool = parse_drafters(args.pool) if args.pool else default_pool()
+    pool = parse_drafters(expand_pool(args.pool)) if args.pool else default_pool()
     args.pool_list = pool
     policies = parse_policies(args.policies, pool)
     prompts_path = Path(args.prompts).expanduser().resolve()
@@ -193,10 +198,26 @@ def policy_record(index: int, question: Question, system: str, prompt_tokens: in
         "replay_ms": [round(r.replay_s * 1e3, 3) for r in result.rounds],
         "replayed": [sorted(r.replays) if r.replays else [] for r in result.rounds],
         "sources": [r.source for r in result.rounds],
-        "arms": [r.drafter for r in result.rounds] if not result.trace else [t.arm for t in result.trace],
+        "arms": round_arms(result),
         "leaders": [t.leader for t in result.trace] if result.trace else None,
         "oracle_drafter": oracle_pick.removeprefix(FIXED) if system == ORACLE else None,
     }
+
+
+def round_arms(result) -> list[str | None]:
+    """The arm of each round, aligned with ``result.rounds`` (so with emitted, proposed, the call
+    times): the policy's own arm name (``code@3``) from its trace where it has one, else the
+    round's drafter. The trace skips rounds the policy was not told about: a white-box pool's
+    first round (the target's prefill, drafter None) and a last round left nothing to draft (k 0)."""
+    trace = list(result.trace or [])
+    arms, j = [], 0
+    for r in result.rounds:
+        if r.drafter is not None and r.k > 0 and j < len(trace):
+            arms.append(trace[j].arm)
+            j += 1
+        else:
+            arms.append(r.drafter)
+    return arms
 
 
 def write_report(out: Path, records: list[dict], machine: dict, config: dict) -> tuple[list[dict], dict]:

@@ -6,6 +6,7 @@ derived here. A record has at least::
 
     prompt_index, category, system, ours (bool), new_tokens, wall_s, matches_target
     rounds, round_s, draft_forward_s, verify_forward_s   # ours only (None for HF systems)
+    proposed, draft_s                                     # ours, newer runs: draft tokens proposed, propose-call seconds
 
 Speedups are per-prompt ratios against target-only decoding on the same prompt, then summarised
 by median and [p25, p75] over prompts: ratios of paired runs cancel most machine noise.
@@ -57,6 +58,24 @@ def bookkeeping_fraction(record: dict) -> float | None:
     return (round_s - record["draft_forward_s"] - record["verify_forward_s"]) / round_s
 
 
+def draft_ms_per_token(record: dict) -> float | None:
+    """Drafter forward milliseconds per proposed draft token: what a drafter's guess costs (None
+    for HF systems, target-only, runs that proposed nothing, and records older than the counter)."""
+    proposed = record.get("proposed")
+    if not record.get("ours") or not proposed or record.get("draft_forward_s") is None:
+        return None
+    return 1e3 * record["draft_forward_s"] / proposed
+
+
+def draft_share(record: dict) -> float | None:
+    """Share of the loop's round time spent in the drafter's propose calls (None where unknown
+    or where nothing was drafted)."""
+    round_s = record.get("round_s")
+    if not record.get("ours") or not round_s or record.get("draft_s") is None or not record.get("proposed"):
+        return None
+    return record["draft_s"] / round_s
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -92,6 +111,7 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
             speedup = summarize(_ratio(speed[(system, r["prompt_index"])], speed.get((TARGET, r["prompt_index"]))) for r in group)
             vs_hf = summarize(_ratio(speed[(system, r["prompt_index"])], speed.get((peer, r["prompt_index"]))) for r in group)
             rounds = sum(r.get("rounds") or 0 for r in group)
+            draft_cost, share = summarize(draft_ms_per_token(r) for r in group), summarize(draft_share(r) for r in group)
             rows.append({
                 "category": category,
                 "system": system,
@@ -103,6 +123,8 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
                 # tau pooled over the group's prompts: all new tokens / all rounds (ours only)
                 "mean_accepted_length": sum(r["new_tokens"] for r in group) / rounds if group[0]["ours"] and rounds else None,
                 "bookkeeping_fraction": summarize(bookkeeping_fraction(r) for r in group)[0],
+                "draft_ms_per_token": draft_cost[0], "draft_ms_per_token_p25": draft_cost[1], "draft_ms_per_token_p75": draft_cost[2],
+                "draft_share": share[0], "draft_share_p25": share[1], "draft_share_p75": share[2],
                 "mean_new_tokens": sum(r["new_tokens"] for r in group) / len(group),
                 "lossless_mismatches": sum(1 for r in group if r["matches_target"] is False),
             })
@@ -147,6 +169,25 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def draft_cost_table(rows: Sequence[dict]) -> str:
+    """Per (category, drafting system): tokens per round, the drafter's forward cost per proposed
+    token, and its propose calls' share of round time; empty when no row drafted."""
+    drafting = [r for r in rows if r["draft_ms_per_token"] is not None or r["draft_share"] is not None]
+    if not drafting:
+        return ""
+    lines = ["| category | system | n | tokens / round | draft ms / proposed token | draft share of round time | speedup vs target |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row in drafting:
+        share = "–" if row["draft_share"] is None else (
+            f"{100 * row['draft_share']:.0f}% [{100 * row['draft_share_p25']:.0f}%, {100 * row['draft_share_p75']:.0f}%]")
+        lines.append("| " + " | ".join([
+            row["category"], f"`{row['system']}`", str(row["n_prompts"]), _fmt(row["mean_accepted_length"]),
+            _fmt_spread(row, "draft_ms_per_token", "draft_ms_per_token_p25", "draft_ms_per_token_p75"), share,
+            _fmt_spread(row, "speedup_vs_target", "speedup_p25", "speedup_p75"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
 def markdown_report(header: Sequence[tuple[str, str]], rows: Sequence[dict], mismatches: dict[str, int], plot: str | None) -> str:
     """The whole report.md: a header of (label, value) lines, the table, mismatches, the plot."""
     parts = ["# specpool bench", ""]
@@ -162,6 +203,18 @@ def markdown_report(header: Sequence[tuple[str, str]], rows: Sequence[dict], mis
         markdown_table(rows),
         "",
     ]
+    cost = draft_cost_table(rows)
+    if cost:
+        parts += [
+            "## Draft cost", "",
+            "Medians over prompts, [p25, p75] in brackets. *tokens / round* = new tokens / rounds (pooled, as *mean "
+            "accepted length* above; a white-box system's first round is the target's prefill alone, which it counts); "
+            "*draft ms / proposed token* = the drafter's forward time / the draft tokens it proposed; *draft share* = "
+            "the drafter's propose calls / round time; *speedup* as above (side by side with target-only).",
+            "",
+            cost,
+            "",
+        ]
     bad = {s: n for s, n in mismatches.items() if n}
     if bad:
         parts.append("**Outputs differing from target-only** (a bug for ours; float noise is possible for HF): "

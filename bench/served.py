@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from bench.common import WARMUP_PROMPT, default_out, load_questions, machine_info
+from bench.common import WARMUP_PROMPT, default_out, expand_pool, load_questions, machine_info
 from specpool.core.defaults import DEFAULT_K, DEFAULT_POLICY
 from specpool.core.errors import check
 
@@ -126,7 +126,9 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-per-category", type=int, default=1, help="first N prompts of each category (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     parser.add_argument("--pool", default="ngram,code,chat",
-                        help="drafters served and chosen among (default ngram,code,chat); the same pool runs embedded")
+                        help="drafters served and chosen among (default ngram,code,chat), any drafter specs (eagle:NAME too); "
+                             "'white-box' stands for every shipped head, 'mixed' for those, lookup:code and ngram; "
+                             "the same pool runs embedded")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help=f"drafter-choice policy, served and embedded (default {DEFAULT_POLICY})")
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length (default {DEFAULT_K})")
     parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"concurrent sessions to measure (default {DEFAULT_CONCURRENCY})")
@@ -374,7 +376,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from specpool.target.sampling import validate_draft_length
 
     questions = load_questions(Path(args.prompts), args.limit_per_category)
-    pool = [p.strip() for p in args.pool.split(",") if p.strip()]
+    pool = [p for p in expand_pool(args.pool).split(",") if p]  # passed on as given: served mode builds each spec
     check(bool(pool), "--pool is empty")
     make_policy(args.policy, pool, PolicyOptions())
     validate_draft_length(args.k)

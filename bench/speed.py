@@ -8,6 +8,13 @@ prompt), so machine noise hits all systems alike and per-prompt ratios stay mean
     <drafter spec>       our loop with that drafter, e.g. ngram, hf:/path
     hf-assisted:<spec>   transformers generate(assistant_model=...) for each hf: drafter
     hf-prompt-lookup     transformers generate(prompt_lookup_num_tokens=k), HF's ngram
+    in-domain            per prompt, the shipped zoo drafter of its category (--in-domain [zoo])
+    in-domain-eagle      per prompt, the shipped white-box head of its category (--in-domain eagle)
+    in-domain[-eagle]+lookup   the same behind prompt lookup (--in-domain-lookup [zoo|eagle|both])
+
+White-box heads also run as drafter specs (--drafters eagle:general,lookup:eagle:code). Besides
+speed, the report gives each drafting system's draft cost: its forward time per proposed token and
+its propose calls' share of round time.
 
 Writes results.json, per_prompt.jsonl (raw counters), report.md and speedup.png to --out.
 Aggregation and rendering live in bench/report.py (pure, unit-tested).
@@ -25,12 +32,42 @@ from pathlib import Path
 from typing import Callable
 
 from bench import report
-from bench.common import (IN_DOMAIN_DRAFTERS, WARMUP_PROMPT, WARMUP_TOKENS, Question, load_questions, machine_info,
-                          parse_drafters)
-from specpool.core.errors import check
+from bench.common import (GENERAL_DRAFTER, IN_DOMAIN_DRAFTERS, IN_DOMAIN_FAMILIES, WARMUP_PROMPT, WARMUP_TOKENS, Question,
+                          in_domain_spec, load_questions, machine_info, parse_drafters)
+from specpool.core.errors import NotFound, check
 
-IN_DOMAIN = "in-domain"
-IN_DOMAIN_LOOKUP = "in-domain+lookup"  # lookup:DRAFTER (specpool/drafters/lookup_first.py) for the same drafter
+IN_DOMAIN = "in-domain"  # + "-eagle" for the white-box heads, + "+lookup" for lookup:DRAFTER (drafters/lookup_first.py)
+# --in-domain / --in-domain-lookup FAMILY: the shipped zoo drafters, the shipped white-box heads, or both.
+BOTH = "both"
+IN_DOMAIN_CHOICES = (*IN_DOMAIN_FAMILIES, BOTH)
+
+
+def in_domain_systems(in_domain: str | None, in_domain_lookup: str | None) -> dict[str, tuple[str, str]]:
+    """System name -> (family, spec prefix) of the in-domain systems asked for: ``in-domain`` and
+    ``in-domain+lookup`` for the zoo (the names of earlier reports), ``in-domain-eagle`` and
+    ``in-domain-eagle+lookup`` for the white-box heads."""
+    systems = {}
+    for wanted, prefix, suffix in ((in_domain, "", ""), (in_domain_lookup, "lookup:", "+lookup")):
+        for family in IN_DOMAIN_FAMILIES:
+            if wanted in (family, BOTH):
+                systems[IN_DOMAIN + ("" if family == "zoo" else f"-{family}") + suffix] = (family, prefix)
+    return systems
+
+
+def in_domain_specs(family: str, prefix: str) -> dict[str, str]:
+    """Category -> drafter spec of one in-domain system, ``*`` for a category outside the mapping."""
+    return {**{c: prefix + in_domain_spec(family, c) for c in IN_DOMAIN_DRAFTERS}, "*": prefix + in_domain_spec(family, "*")}
+
+
+def check_in_domain_heads(systems: dict[str, tuple[str, str]]) -> None:
+    """Before any model loads: every white-box head an in-domain system needs is shipped."""
+    from specpool.drafters.eagle import SHIPPED_DIR, shipped_heads
+
+    if not any(family == "eagle" for family, _ in systems.values()):
+        return
+    missing = sorted({*IN_DOMAIN_DRAFTERS.values(), GENERAL_DRAFTER} - set(shipped_heads()))
+    check(not missing, f"the in-domain white-box systems need the heads {', '.join(missing)} in {SHIPPED_DIR} "
+                       "(train them: specpool zoo train --arch eagle)", NotFound)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -40,7 +77,8 @@ def command_line(args: argparse.Namespace) -> str:
         "--max-new-tokens", str(args.max_new_tokens), "--drafters", args.drafters, "-k", str(args.k),
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
         "--cpu-linear", args.cpu_linear,
-    ] + (["--in-domain"] if args.in_domain else []) + (["--in-domain-lookup"] if args.in_domain_lookup else []))
+    ] + (["--in-domain", args.in_domain] if args.in_domain else [])
+      + (["--in-domain-lookup", args.in_domain_lookup] if args.in_domain_lookup else []))
 
 
 # -- systems (models) ---------------------------------------------------------------------------
@@ -53,9 +91,10 @@ class Run:
     result: object | None = None  # our GenerationResult; None for HF systems
 
 
-def build_systems(engine, specs: list[str], k: int, in_domain: bool = False,
-                  in_domain_lookup: bool = False) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
-    """name -> (ours, run(prompt_ids, max_new_tokens, category)). Each run times only the generate call."""
+def build_systems(engine, specs: list[str], k: int, in_domain: str | None = None,
+                  in_domain_lookup: str | None = None) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
+    """name -> (ours, run(prompt_ids, max_new_tokens, category)). Each run times only the generate call.
+    ``in_domain`` / ``in_domain_lookup``: None or a family of IN_DOMAIN_CHOICES (in_domain_systems)."""
     import torch
     from transformers import PreTrainedModel
 
@@ -93,15 +132,13 @@ def build_systems(engine, specs: list[str], k: int, in_domain: bool = False,
     systems = {report.TARGET: (True, ours(None))}
     for spec in specs:
         systems[spec] = (True, ours(spec))
-    for system, wanted, prefix in ((IN_DOMAIN, in_domain, ""), (IN_DOMAIN_LOOKUP, in_domain_lookup, "lookup:")):
-        if not wanted:
-            continue
-        by_category = {c: ours(prefix + d) for c, d in IN_DOMAIN_DRAFTERS.items()}
-        fallback = ours(prefix + "general")
-        for drafter in {*IN_DOMAIN_DRAFTERS.values(), "general"}:
-            engine.drafter(prefix + drafter)  # load (and check) before timing
-        systems[system] = (True, lambda prompt_ids, n, category, by_category=by_category, fallback=fallback:
-                           by_category.get(category, fallback)(prompt_ids, n, category))
+    for system, (family, prefix) in in_domain_systems(in_domain, in_domain_lookup).items():
+        chosen = in_domain_specs(family, prefix)
+        for spec in set(chosen.values()):
+            engine.drafter(spec)  # load (and check) before timing
+        by_category = {c: ours(spec) for c, spec in chosen.items()}
+        systems[system] = (True, lambda prompt_ids, n, category, by_category=by_category:
+                           by_category.get(category, by_category["*"])(prompt_ids, n, category))
     for spec in specs:
         drafter = engine.drafter(spec)
         # HF's assisted generation needs a transformers model as assistant (hf:, early-exit:).
@@ -133,6 +170,8 @@ def make_record(index: int, question: Question, system: str, is_ours: bool, prom
         "round_s": sum(r.round_s for r in rounds) if rounds is not None else None,
         "draft_forward_s": sum(r.draft_forward_s for r in rounds) if rounds is not None else None,
         "verify_forward_s": sum(r.verify_forward_s for r in rounds) if rounds is not None else None,
+        "proposed": sum(r.proposed for r in rounds) if rounds is not None else None,
+        "draft_s": sum(r.draft_s for r in rounds) if rounds is not None else None,
         "matches_target": None if target_ids is None else run.token_ids == target_ids,
         "token_ids": run.token_ids,
     }
@@ -151,6 +190,7 @@ def run_speed_bench(args: argparse.Namespace, settings) -> int:
     prompts_path = Path(args.prompts).expanduser().resolve()
     questions = load_questions(prompts_path, args.limit_per_category)
     specs = parse_drafters(args.drafters)
+    check_in_domain_heads(in_domain_systems(args.in_domain, args.in_domain_lookup))
     out = Path(args.out).expanduser()
     check(not out.exists() or out.is_dir(), f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +205,9 @@ def run_speed_bench(args: argparse.Namespace, settings) -> int:
         return 130
     rows, mismatches = write_report(out, args, engine, systems, specs, questions, prompts_path, records, interrupted)
     print(report.markdown_table(rows))
+    cost = report.draft_cost_table([r for r in rows if r["category"] == report.ALL])
+    if cost:
+        print("\ndraft cost (all prompts):\n" + cost)
     ours_bad = {s: n for s, n in mismatches.items() if n and systems[s][0]}
     if ours_bad:
         print(f"specpool bench: WARNING: outputs differ from target-only (lossless bug): {ours_bad}", file=sys.stderr)
@@ -180,8 +223,11 @@ def measure(engine, systems: dict, questions: list[Question], max_new_tokens: in
     names = list(systems)
     prompt_ids = [engine.encode_prompt(q.prompt) for q in questions]  # tokenised once, outside timing
     warmup_ids = engine.encode_prompt(WARMUP_PROMPT)
-    for _, run in systems.values():
-        run(warmup_ids, min(WARMUP_TOKENS, max_new_tokens), "chat")
+    categories = list(dict.fromkeys(q.category for q in questions))
+    for name, (_, run) in systems.items():
+        # An in-domain system holds a drafter per category: each is warmed up, not only chat's.
+        for category in categories if name.startswith(IN_DOMAIN) else ["chat"]:
+            run(warmup_ids, min(WARMUP_TOKENS, max_new_tokens), category)
     records: list[dict] = []
     interrupted = False
     with raw_path.open("w") as raw:
@@ -221,13 +267,15 @@ def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, spe
     config = {
         "target": args.target, "device": args.device, "dtype": str(engine.config.target.torch_dtype()).removeprefix("torch."),
         "drafters": specs, "systems": names,
-        "in_domain_drafters": IN_DOMAIN_DRAFTERS if args.in_domain or args.in_domain_lookup else None,
+        # per in-domain system: category -> the drafter it ran ("*": any other category)
+        "in_domain_drafters": {name: in_domain_specs(*family) for name, family in
+                               in_domain_systems(args.in_domain, args.in_domain_lookup).items()} or None,
         "cpu_linear": args.cpu_linear, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
         "prompts_file": str(prompts_path), "n_prompts": n_done, "limit_per_category": args.limit_per_category,
         "categories": categories, "stop_token_ids": list(engine.stop_token_ids()),
         "hf_assisted": {"num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},
         "hf_prompt_lookup": {"prompt_lookup_num_tokens": args.k, "max_matching_ngram_size": 2},  # HF's default n-gram size
-        "warmup": f"each system once on {WARMUP_PROMPT!r}, {WARMUP_TOKENS} tokens",
+        "warmup": f"each system once on {WARMUP_PROMPT!r}, {WARMUP_TOKENS} tokens (in-domain systems once per category)",
         "order": "all systems back to back per prompt, order rotated each prompt",
         "command": command_line(args), "interrupted": interrupted,
     }
@@ -247,7 +295,7 @@ def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, spe
                      f"stop tokens {config['stop_token_ids']}; HF assisted drafts exactly k (constant, no confidence stop)"),
         ("prompts", f"{n_done} from `{prompts_path}` (first {args.limit_per_category} per category: "
                     + ", ".join(f"{c} {n}" for c, n in categories.items()) + ")" + (" — INTERRUPTED" if interrupted else "")),
-        ("method", "systems alternate per prompt in one process (order rotated), each warmed up once"),
+        ("method", "systems alternate per prompt in one process (order rotated), each warmed up once (in-domain systems once per category)"),
         ("command", f"`{config['command']}`"),
     ]
     (out / "report.md").write_text(report.markdown_report(header, rows, mismatches, plot_name))

@@ -146,6 +146,6 @@ def test_load_questions_missing_file(tmp_path):
 
 def test_parse_drafters():
     assert parse_drafters(" ngram , hf:/m ") == ["ngram", "hf:/m"]
-    for text, error in [("", InvalidArgument), ("ngram,ngram", InvalidArgument), ("none", InvalidArgument), ("eagle", NotFound)]:
+    for text, error in [("", InvalidArgument), ("ngram,ngram", InvalidArgument), ("none", InvalidArgument), ("nosuchkind", NotFound)]:
         with pytest.raises(error):
             parse_drafters(text)
