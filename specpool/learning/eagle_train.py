@@ -191,11 +191,17 @@ def heldout_acceptance(head: EagleHead, sequences: list[FeatureSequence], k: int
         first = max(P, fs + 2)
         if L - 2 < first:
             continue
+        # The true-feature positions once per answer (head positions fs .. L-2); each start then
+        # drafts from a copy of that cache cut at its position.
+        full_cache = head.new_cache()
+        ids = torch.tensor([tokens[fs + 1:L]], device=head.device)  # (1, L-1-fs)
+        outputs = head(ids, feats[: L - 1 - fs].unsqueeze(0), full_cache, start=0)[0]  # (L-1-fs, d)
         # A round with context x_0..x_{n-1} (n - 1 >= P - 1: the answer has begun) drafts x_n..
         for n in torch.linspace(first, L - 2, starts).long().unique().tolist():
             cache = head.new_cache()
-            ids = torch.tensor([tokens[fs + 1:n]], device=head.device)  # head positions fs .. n-2
-            guess = head(ids, feats[: n - 1 - fs].unsqueeze(0), cache, start=0)[0, -1]
+            cache.keys, cache.values = list(full_cache.keys), list(full_cache.values)
+            cache.crop(-(L - 1 - fs - (n - 1 - fs)))  # keep head positions fs .. n-2
+            guess = outputs[n - 2 - fs]  # the head's f^_{n-1}
             accepted = 0
             for i in range(min(k, L - n)):
                 token = int(head.vocab_ids[head.reduced_logits(guess).argmax()])
