@@ -40,6 +40,9 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
     serve.add_argument("--policy", default=None, help=f"without --config: the default policy (default {DEFAULT_POLICY})")
     serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
+    serve.add_argument("--feature-dtype", default=None, choices=("float16", "bfloat16"),
+                       help="without --config: how the target's features travel to white-box drafters (eagle:...), "
+                            "2 bytes a value (default float16)")
     serve.add_argument("--print-config", action="store_true", help="print the Serve config that would run, and exit")
 
     client = commands.add_parser("client", help="talk to a running `specpool serve` (or a cluster) over gRPC")
@@ -85,7 +88,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
     from specpool.services.serve_config import DEFAULT_GRPC_PORT, DEFAULT_REDIS_URL, default_serve_config, load_serve_config
 
     if args.config is not None:
-        for flag, value in (("--pool", args.pool), ("--policy", args.policy), ("-k", args.k)):
+        for flag, value in (("--pool", args.pool), ("--policy", args.policy), ("-k", args.k),
+                            ("--feature-dtype", getattr(args, "feature_dtype", None))):
             if value is not None:
                 raise InvalidArgument(f"{flag} is for the default config; with --config, set it in {args.config}")
         config, source = load_serve_config(Path(args.config)), args.config
@@ -96,7 +100,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
         check(len(set(pool)) == len(pool), f"--pool names a drafter twice: {args.pool}")
         config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or DEFAULT_POLICY,
-                                      k=args.k if args.k is not None else 5)
+                                      k=args.k if args.k is not None else 5,
+                                      feature_dtype=getattr(args, "feature_dtype", None) or "float16")
         source = "the default config"
     if args.port is not None:
         check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")

@@ -10,15 +10,17 @@ the caller. Pure: no servers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from specpool.drafters.base import Proposal
-from specpool.core.errors import InvalidArgument, check
+from specpool.core.errors import FailedPrecondition, InvalidArgument, check
 from specpool.router.session_store import TENANT_PATTERN
 from specpool.services.api import decimal_float
 from specpool.v1 import common_pb2, drafter_pb2, target_pb2
+from specpool.target.features import FeatureGap, Features, decode_features, encode_features
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import MAX_DRAFT_LENGTH, SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
@@ -52,6 +54,50 @@ def sparse_from_proto(msg: common_pb2.SparseDistribution, what: str = "a distrib
     return SparseDist(torch.tensor(list(msg.token_ids), dtype=torch.long), torch.tensor(list(msg.probs), dtype=torch.float32))
 
 
+# -- features (white-box drafters) ---------------------------------------------------------------------
+FEATURE_DTYPES = {"float16": common_pb2.FEATURE_DTYPE_FLOAT16, "bfloat16": common_pb2.FEATURE_DTYPE_BFLOAT16}
+_FEATURE_DTYPE_NAMES = {v: k for k, v in FEATURE_DTYPES.items()}
+# How a drafter server says which position to resend features from: a FeatureGap crosses Serve
+# pickled and the direct route as a gRPC status, and on both only its message survives intact.
+_FEATURES_NEEDED = re.compile(r"\(features_needed=(\d+)\)")
+
+
+def features_to_proto(features: Features, dtype: str = "float16") -> common_pb2.Features:
+    """``features`` as wire bytes: 2 bytes a value, (rows x width x 2) in all."""
+    check(dtype in FEATURE_DTYPES, f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
+    return common_pb2.Features(start=features.start, width=int(features.rows.shape[1]), dtype=FEATURE_DTYPES[dtype],
+                               data=encode_features(features, dtype))
+
+
+def features_from_proto(msg: common_pb2.Features) -> Features:
+    """Rows as float32; a width of 0, an unset dtype or bytes that are not whole rows are INVALID_ARGUMENT."""
+    dtype = _FEATURE_DTYPE_NAMES.get(msg.dtype)
+    check(dtype is not None, f"features need a dtype, float16 or bfloat16 (got enum value {msg.dtype})")
+    check(msg.width > 0, "features need a width > 0 (the target's hidden size)")
+    return decode_features(int(msg.start), int(msg.width), msg.data, dtype)
+
+
+def feature_bytes(msg) -> int:
+    """Feature bytes a message carries (0 when it has none)."""
+    return len(msg.features.data) if msg.HasField("features") else 0
+
+
+def feature_gap_error(gap: FeatureGap) -> FailedPrecondition:
+    """A drafter server's answer to features after a gap, with the position to resend from."""
+    return FailedPrecondition(f"{gap} (features_needed={gap.needed})")
+
+
+def features_needed(exc: BaseException) -> int | None:
+    """The position a drafter server asked features to be resent from, if ``exc`` is its answer to a gap."""
+    if isinstance(exc, FeatureGap):
+        return exc.needed
+    # Over Serve the FailedPrecondition itself; over a direct route whatever the status became.
+    if getattr(exc, "code", None) != FailedPrecondition.code:
+        return None
+    found = _FEATURES_NEEDED.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
 def _session(session_id: str) -> str:
     check(bool(session_id), "session_id is empty")
     return session_id
@@ -62,7 +108,7 @@ def verify_request_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:
     return target_pb2.VerifyRequest(
         session_id=request.session_id, context_ids=request.context_ids, draft_tokens=request.draft_tokens,
         q=[sparse_to_proto(q) for q in request.q], sampling=sampling_to_proto(request.params),
-        return_top_k=request.return_top_k,
+        return_top_k=request.return_top_k, return_features=request.return_features,
     )
 
 
@@ -74,31 +120,40 @@ def verify_request_from_proto(msg: target_pb2.VerifyRequest) -> VerifyRequest:
         session_id=_session(msg.session_id), context_ids=list(msg.context_ids), draft_tokens=list(msg.draft_tokens),
         q=[sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
         params=sampling_from_proto(msg.sampling), return_top_k=int(msg.return_top_k),
+        return_features=bool(msg.return_features),
     )
 
 
-def verify_result_to_proto(result: VerifyResult) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(
+def verify_result_to_proto(result: VerifyResult, feature_dtype: str = "float16") -> target_pb2.VerifyResponse:
+    """``feature_dtype``: the wire encoding of ``result.features`` (when it has them)."""
+    response = target_pb2.VerifyResponse(
         accepted=result.accepted, tokens=result.tokens, tv=result.tv,
         target_top_k=[sparse_to_proto(d) for d in (result.target_top_k or [])], forward_s=result.forward_s,
     )
+    if result.features is not None:
+        response.features.CopyFrom(features_to_proto(result.features, feature_dtype))
+    return response
 
 
 def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
+    """``features`` None when the response carries none (not asked for, or a target too old to send them)."""
     return VerifyResult(
         accepted=int(msg.accepted), tokens=list(msg.tokens), tv=list(msg.tv),
         target_top_k=[sparse_from_proto(d) for d in msg.target_top_k] or None, forward_s=float(msg.forward_s),
+        features=features_from_proto(msg.features) if msg.HasField("features") else None,
     )
 
 
 # -- Drafter.Propose ----------------------------------------------------------------------------------
 def propose_request_to_proto(session_id: str, context_ids: list[int], k: int, params: SamplingParams,
-                             drafter: str = "", tenant: str = "", weight_version: int | None = None) -> drafter_pb2.ProposeRequest:
+                             drafter: str = "", tenant: str = "", weight_version: int | None = None,
+                             features: common_pb2.Features | None = None) -> drafter_pb2.ProposeRequest:
     """``weight_version`` None: the tenant's serving version (a request's first round); a number:
-    exactly that version (its later rounds)."""
+    exactly that version (its later rounds). ``features``: the rows the server has not been sent
+    (white-box drafters), already encoded."""
     return drafter_pb2.ProposeRequest(session_id=session_id, context_ids=context_ids, k=k,
                                       sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
-                                      **_version_fields(weight_version))
+                                      features=features, **_version_fields(weight_version))
 
 
 def _version_fields(weight_version: int | None) -> dict:
@@ -116,6 +171,7 @@ class ProposeArgs:
     drafter: str  # "" = the server's only drafter
     tenant: str = ""  # whose learned variant drafts ("" = the shipped weights)
     weight_version: int | None = None  # None: the tenant's serving version; a number: exactly it
+    features: Features | None = None  # white-box drafters: rows to apply before drafting; None: none sent
 
 
 def _drafter_call_fields(msg: drafter_pb2.ProposeRequest | drafter_pb2.ReplayRequest, what: str) -> dict:
@@ -126,7 +182,8 @@ def _drafter_call_fields(msg: drafter_pb2.ProposeRequest | drafter_pb2.ReplayReq
         check(TENANT_PATTERN.fullmatch(msg.tenant) is not None, f"invalid tenant {msg.tenant!r}")
     return {"session_id": _session(msg.session_id), "context_ids": list(msg.context_ids), "k": int(msg.k),
             "params": sampling_from_proto(msg.sampling), "drafter": msg.drafter, "tenant": msg.tenant,
-            "weight_version": int(msg.weight_version) if msg.exact_version else None}
+            "weight_version": int(msg.weight_version) if msg.exact_version else None,
+            "features": features_from_proto(msg.features) if msg.HasField("features") else None}
 
 
 def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
@@ -142,11 +199,12 @@ def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb
 # -- Drafter.Replay -----------------------------------------------------------------------------------
 def replay_request_to_proto(session_id: str, context_ids: list[int], continuation: list[int], k: int,
                             params: SamplingParams, drafter: str = "", tenant: str = "",
-                            weight_version: int | None = None) -> drafter_pb2.ReplayRequest:
-    """``weight_version`` as in ``propose_request_to_proto``."""
+                            weight_version: int | None = None,
+                            features: common_pb2.Features | None = None) -> drafter_pb2.ReplayRequest:
+    """``weight_version`` and ``features`` as in ``propose_request_to_proto``."""
     return drafter_pb2.ReplayRequest(session_id=session_id, context_ids=context_ids, continuation=continuation, k=k,
                                      sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
-                                     **_version_fields(weight_version))
+                                     features=features, **_version_fields(weight_version))
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,9 @@ class DirectEndpoint:
 
     async def _start(self) -> common_pb2.DirectRoute:
         token = secrets.token_urlsafe(24)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # 64 MB as the router's channels: a white-box prefill's features are 1,152 bytes a position.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.max_send_message_length", 64 << 20)])
         servicer = _Servicer(self, token)
         if self.service == "drafter":
             drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -10,6 +10,7 @@
 | ``specpool_block_divergence`` (histogram) | tenant, drafter | BD = (1/k) Σ (1 − TV(p, q)) over the k positions asked for |
 | ``specpool_accepted_length`` (histogram) | tenant, drafter | tokens per round, bonus included |
 | ``specpool_round_seconds`` (histogram) | tenant, drafter, part | round time split: draft, verify, router (the rest: policy, bookkeeping) |
+| ``specpool_feature_bytes`` (counter) | link, drafter | white-box drafters: target features on the wire, link "target" (target -> router, drafter "none") or "drafter" (router -> that drafter); (a + 1) x width x 2 bytes a round each way |
 
 Derived rates (acceptance rate = accepted / draft tokens, tokens/s, ...) are the reader's job.
 
@@ -42,6 +43,7 @@ HISTOGRAMS = {
     "specpool_block_divergence": ("Block divergence (1/k) sum(1 - TV(p, q)) of drafted rounds", BD_BUCKETS),
     "specpool_accepted_length": ("Tokens per round, bonus included", LENGTH_BUCKETS),
 }
+FEATURE_BYTES = ("specpool_feature_bytes", "Bytes of the target's features on the wire (white-box drafters), by link")
 ROUND_SECONDS = ("specpool_round_seconds", "Round wall time by part: draft, verify, router (policy and bookkeeping)", SECONDS_BUCKETS)
 
 
@@ -75,6 +77,9 @@ class NoMetrics:
     def request(self, tenant: str, status: str) -> None:
         pass
 
+    def feature_bytes(self, link: str, drafter: str, count: int) -> None:
+        pass
+
     def round(self, tenant: str, record: RoundRecord) -> None:
         pass
 
@@ -94,9 +99,14 @@ class PrometheusMetrics:
                             for name, (doc, buckets) in HISTOGRAMS.items()}
         self._seconds = prom.Histogram(ROUND_SECONDS[0], ROUND_SECONDS[1], (*labels, "part"), buckets=ROUND_SECONDS[2],
                                        registry=self.registry)
+        self._feature_bytes = prom.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], ("link", "drafter"), registry=self.registry)
 
     def request(self, tenant: str, status: str) -> None:
         self._requests.labels(tenant=tenant, status=status).inc()
+
+    def feature_bytes(self, link: str, drafter: str, count: int) -> None:
+        """Features carried by one call: ``link`` "target" (verify responses) or "drafter" (propose/replay)."""
+        self._feature_bytes.labels(link=link, drafter=drafter).inc(count)
 
     def round(self, tenant: str, record: RoundRecord) -> None:
         obs = round_observations(record)
@@ -124,9 +134,14 @@ class RayMetrics:
                             for name, (doc, buckets) in HISTOGRAMS.items()}
         self._seconds = ray_metrics.Histogram(ROUND_SECONDS[0], ROUND_SECONDS[1], boundaries=list(ROUND_SECONDS[2]),
                                               tag_keys=(*labels, "part"))
+        self._feature_bytes = ray_metrics.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], tag_keys=("link", "drafter"))
 
     def request(self, tenant: str, status: str) -> None:
         self._requests.inc(1, tags={"tenant": tenant, "status": status})
+
+    def feature_bytes(self, link: str, drafter: str, count: int) -> None:
+        if count:
+            self._feature_bytes.inc(count, tags={"link": link, "drafter": drafter})
 
     def round(self, tenant: str, record: RoundRecord) -> None:
         obs = round_observations(record)

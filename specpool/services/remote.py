@@ -20,13 +20,26 @@ reach the replica holding its KV cache. When that replica dies, the ring moves t
 another replica, which re-prefills from the full context the request carries: slower once, never
 wrong. Calls that fail because a replica is gone are retried (same request, same seed: a retried
 round draws the same random numbers) for up to ``retry_s`` seconds.
+
+White-box drafters (EAGLE-style heads, ``specpool/drafters/eagle.py``) read the target's features.
+Served, they travel as float16 (or bfloat16) bytes (``specpool/target/features.py``): the target
+deployment returns each round's new rows in ``VerifyResponse.features`` ((a + 1) x width x 2
+bytes for a round that accepts a drafts: 1,152 bytes a position for the default target), the
+router keeps a copy per session (``FeatureRelay``, shared by the pool's white-box arms) and each
+``RemoteDrafter`` sends its deployment only the rows it has not yet sent, with its next Propose
+or Replay. A deployment that lost them (a restarted replica, an evicted session) answers
+FAILED_PRECONDITION with the position it needs, and the call is made once more with the rows
+from there.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from specpool.drafters.base import CostMeter, Proposal
 from specpool.core.errors import ModelUnavailable, SpecpoolError
@@ -34,8 +47,15 @@ from specpool.services import convert
 from specpool.services.direct import DirectRoutes
 from specpool.v1 import common_pb2
 from specpool.services.status import is_unavailable, unwrap
+from specpool.target.features import WIRE_DTYPES, FeatureLog, Features
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
+
+logger = logging.getLogger(__name__)
+# Sessions whose features the router keeps (least recently used forgotten beyond): a served
+# session keeps its caches between requests, so only eviction bounds this. 2 bytes x width a
+# position: 1,000 sessions of 1,000 positions are 1.2 GB at the default target's width.
+FEATURE_SESSIONS = 1024
 
 
 class DeploymentCaller:
@@ -84,35 +104,183 @@ class DeploymentCaller:
                 delay = min(1.0, delay * 2)
 
 
+@dataclass
+class FeatureTraffic:
+    """Feature bytes on the wire, as the router sees them (``RouterServer.FeatureStats``), and
+    passed on to ``observer`` (the router's metrics: ``specpool_feature_bytes``)."""
+
+    calls: int = 0  # calls that carried features
+    rows: int = 0  # positions carried
+    bytes: int = 0  # bytes of feature data carried
+    observer: Callable[[int], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, msg: common_pb2.Features) -> None:
+        with self._lock:
+            self.calls += 1
+            self.rows += len(msg.data) // (2 * msg.width) if msg.width else 0
+            self.bytes += len(msg.data)
+        if self.observer is not None:
+            self.observer(len(msg.data))
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "rows": self.rows, "bytes": self.bytes}
+
+
 class RemoteVerifier:
-    """The target deployment as a ``SessionVerifier``."""
+    """The target deployment as a ``SessionVerifier``. A verify that asks for features and gets
+    none (a target deployment older than the field) returns ``features=None``, which the loop
+    refuses (FAILED_PRECONDITION): a white-box arm never runs blind."""
 
     def __init__(self, caller: DeploymentCaller):
         self.caller = caller
+        self.features_received = FeatureTraffic()  # from the target: (a + 1) rows a round
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         response = self.caller.call("Verify", convert.verify_request_to_proto(request), request.session_id)
+        if response.HasField("features"):
+            self.features_received.add(response.features)
         return convert.verify_result_from_proto(response)
 
     def release(self, session_id: str) -> bool:
         return bool(self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id).released)
 
 
+class _Held:
+    """One session's features in the router: positions ``base`` .. ``base + len(log) - 1``.
+
+    ``base`` > 0 when the router never saw the earlier rows (it was restarted, or forgot the
+    session, while the target kept the session's cache): the rows it holds still go on to
+    deployments that have the earlier ones."""
+
+    def __init__(self, width: int, dtype, base: int = 0):
+        self.base = base
+        self.log = FeatureLog(width, dtype)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.log)
+
+
+class FeatureRelay:
+    """The router's copy of each session's target features, shared by the pool's white-box
+    ``RemoteDrafter``s (the loop hands each of them the same rows), stored in the wire dtype so
+    what is resent is bit-identical to what the target sent. Bounded: a session is dropped when
+    released and beyond ``capacity`` sessions (least recently used)."""
+
+    def __init__(self, width: int, dtype: str = "float16", capacity: int = FEATURE_SESSIONS):
+        self.width = width
+        self.dtype = dtype  # the wire dtype, towards the drafters too
+        self.capacity = capacity
+        self._sessions: OrderedDict[str, _Held] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def observe(self, session_id: str, features: Features) -> None:
+        with self._lock:
+            held = self._sessions.pop(session_id, None)
+            if held is None or not held.base <= features.start <= held.end:
+                # New, or rows the router cannot join to what it holds: keep these from their start.
+                held = _Held(self.width, WIRE_DTYPES[self.dtype], features.start)
+            held.log.apply(Features(features.start - held.base, features.rows))
+            self._sessions[session_id] = held
+            while len(self._sessions) > self.capacity:
+                self._sessions.popitem(last=False)
+
+    def span(self, session_id: str) -> tuple[int, int]:
+        """(first, one past the last) position held; (0, 0) for an unknown session."""
+        with self._lock:
+            held = self._sessions.get(session_id)
+            return (held.base, held.end) if held is not None else (0, 0)
+
+    def since(self, session_id: str, start: int) -> common_pb2.Features | None:
+        """Rows from ``start`` to the end, encoded; None when the router does not hold them."""
+        with self._lock:
+            held = self._sessions.get(session_id)
+            if held is None or not held.base <= start <= held.end:
+                return None
+            self._sessions.move_to_end(session_id)
+            rows = held.log.rows(start - held.base)  # (n, d) in the wire dtype
+        return convert.features_to_proto(Features(start, rows), self.dtype)
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+
 class RemoteDrafter:
-    """One drafter deployment as a ``Drafter`` that is ``Replayable`` and ``PerRequestVersions``.
+    """One drafter deployment as a ``Drafter`` that is ``Replayable`` and ``PerRequestVersions``,
+    and ``WhiteBox`` when the deployment's drafter reads the target's features
+    (``feature_width`` > 0, from its Info).
 
     Learned versions (online learning): between ``begin_request`` and ``end_request`` of a
     session, the first Propose lets the replica choose the tenant's serving version and every
     later one asks for exactly the version it returned, so the request never mixes versions, even
-    when its rounds reach different replicas."""
+    when its rounds reach different replicas.
 
-    def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None):
+    Features (white-box): per session, the position up to which this deployment has been sent
+    the router's rows (``FeatureRelay``); a Propose or Replay carries the rows from there, and a
+    deployment that lost the session's rows answers with the position to resend from."""
+
+    def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None,
+                 feature_width: int = 0, relay: FeatureRelay | None = None):
         self.name = name
         self.caller = caller
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.feature_width = feature_width  # 0: a black-box drafter (the loop sends it no features)
+        self.relay = relay if relay is not None or not feature_width else FeatureRelay(feature_width)
         self.cost = CostMeter()  # as seen by the router: wall time of a remote propose per token
+        self.features_sent = FeatureTraffic()  # to this deployment: rows it had not been sent
+        self.resends = 0  # calls made again after the deployment asked for earlier rows
         self._requests: dict[str, tuple[str, int | None]] = {}  # session -> (tenant, its request's version)
+        self._sent: OrderedDict[str, int] = OrderedDict()  # session -> positions this deployment has been sent
         self._lock = threading.Lock()
+
+    def observe_features(self, session_id: str, features: Features) -> None:
+        """``specpool.drafters.base.WhiteBox``: keep the rows (shared relay); the deployment gets
+        them with this drafter's next call, rows from ``features.start`` on sent again."""
+        if self.relay is None:
+            return
+        self.relay.observe(session_id, features)
+        with self._lock:
+            self._sent[session_id] = min(self._sent.pop(session_id, 0), features.start)
+            while len(self._sent) > self.relay.capacity:
+                self._sent.popitem(last=False)
+
+    def _with_features(self, session_id: str, method: str, build: Callable[[common_pb2.Features | None], Any]) -> Any | None:
+        """Call ``method`` with the message ``build(features)`` makes, features being the rows
+        the deployment has not been sent (None for a black-box drafter). On a gap, once more
+        with the rows from where the deployment asks; None when the router does not hold those
+        (the round then drafts nothing: slower, never wrong)."""
+        if self.relay is None:
+            return self.caller.call(method, build(None), session_id)
+        with self._lock:
+            sent = self._sent.get(session_id, 0)
+        base, end = self.relay.span(session_id)
+        features = self.relay.since(session_id, max(base, min(sent, end)))
+        try:
+            response = self.caller.call(method, build(features), session_id)
+        except SpecpoolError as exc:
+            needed = convert.features_needed(exc)
+            if needed is None:
+                raise
+            features = self.relay.since(session_id, needed)
+            if features is None:
+                logger.warning("drafter %r lost session %s's features before position %d, which the router no longer "
+                               "holds: it drafts nothing for this session until the target resends them",
+                               self.name, session_id, needed)
+                return None
+            self.resends += 1
+            response = self.caller.call(method, build(features), session_id)
+        if features is not None:
+            self.features_sent.add(features)
+        with self._lock:
+            self._sent[session_id] = end
+            self._sent.move_to_end(session_id)
+        return response
 
     def begin_request(self, session_id: str, tenant: str) -> None:
         with self._lock:
@@ -134,8 +302,10 @@ class RemoteDrafter:
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
         tenant, version = self._request_of(session_id)
-        request = convert.propose_request_to_proto(session_id, context_ids, k, params, tenant=tenant, weight_version=version)
-        response = self.caller.call("Propose", request, session_id)
+        response = self._with_features(session_id, "Propose", lambda features: convert.propose_request_to_proto(
+            session_id, context_ids, k, params, tenant=tenant, weight_version=version, features=features))
+        if response is None:
+            return Proposal([], [])
         proposal = convert.proposal_from_proto(response)
         if version is None:
             with self._lock:
@@ -149,9 +319,13 @@ class RemoteDrafter:
         """``specpool.drafters.base.Replayable`` over the wire: with the request's pinned weights version
         once it has one (a replay never pins one itself: it drafts nothing)."""
         tenant, version = self._request_of(session_id)
-        request = convert.replay_request_to_proto(session_id, context_ids, continuation, k, params,
-                                                  tenant=tenant, weight_version=version)
-        return convert.replay_from_proto(self.caller.call("Replay", request, session_id))
+        response = self._with_features(session_id, "Replay", lambda features: convert.replay_request_to_proto(
+            session_id, context_ids, continuation, k, params, tenant=tenant, weight_version=version, features=features))
+        return None if response is None else convert.replay_from_proto(response)
 
     def release(self, session_id: str) -> None:
+        if self.relay is not None:
+            with self._lock:
+                self._sent.pop(session_id, None)
+            self.relay.release(session_id)  # the loop's other white-box arms are released with it
         self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id)

@@ -38,7 +38,14 @@ How the pieces talk (see also ``specpool/services/remote.py``):
   batching across sessions.) When the replica dies, the ring maps the session to a live replica,
   which re-prefills from the full context every call carries: correct, one prefill slower.
 - **Batching**: the target's ``Verify`` calls from concurrent sessions meet in a ``@serve.batch``
-  handler and run as one ``TargetVerifier.verify_batch`` forward.
+  handler and run as one ``TargetVerifier.verify_batch`` forward (features too, when asked).
+- **White-box drafters** (``eagle:...``, ``lookup:eagle:...``): a drafter deployment whose drafter
+  reads the target's features says so in its Info (``feature_width`` > 0); the router then asks
+  every verify for features, which the target returns as float16 bytes (``feature_dtype`` in its
+  args: bfloat16 too), keeps them per session and sends each such deployment the rows it has
+  not yet seen with its next Propose or Replay ((a + 1) x 1,152 bytes a round for the default
+  target; ``specpool/services/remote.py``). A deployment that lost them answers
+  FAILED_PRECONDITION with the position to resend from; the router resends once.
 - **Deadlines and cancellation**: a client's deadline or cancel makes the gRPC proxy cancel the
   router's request; the router then stops its loop before the next round and releases the
   session's KV caches in the target and every drafter it used (``Orchestrator.run``,
@@ -63,8 +70,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
-from specpool.core.errors import NotFound
-from specpool.drafters.base import Replayable
+from specpool.core.errors import FailedPrecondition, IncompatibleModels, NotFound
+from specpool.drafters.base import Replayable, reads_features
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
@@ -77,9 +84,10 @@ from specpool.services.config import settings_from_env
 from specpool.services.direct import DirectEndpoint, DirectRoutes
 from specpool.services.metrics import RayMetrics
 from specpool.services.orchestrator import EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, ServedDrafters
-from specpool.services.remote import DeploymentCaller, RemoteDrafter, RemoteVerifier
+from specpool.services.remote import DeploymentCaller, FeatureRelay, RemoteDrafter, RemoteVerifier
 from specpool.services.serve_config import REPLICA_SWITCH_INTERVAL_S, DrafterArgs, RouterArgs, TargetArgs
 from specpool.services.status import grpc_status
+from specpool.target.features import FeatureGap
 from specpool.target.models import ModelConfig, check_same_tokenizer, load_causal_lm, resolve_model, stop_token_ids
 from specpool.target.verifier import TargetVerifier
 from specpool.v1 import common_pb2, drafter_pb2, specpool_pb2, target_pb2
@@ -147,6 +155,8 @@ class TargetServer:
             "stop_token_ids": list(stop_token_ids(model, tokenizer)),
             "context_window": self.verifier.context_window,
             "tokenizer_fingerprint": self.verifier.tokenizer_fingerprint,
+            "feature_width": self.verifier.feature_width,  # white-box drafters read features this wide
+            "feature_dtype": args.feature_dtype,  # and get them as these 2-byte values
         }
         # Every model operation runs on this one thread: batches never overlap, and Release never
         # races a forward over the same cache.
@@ -184,7 +194,7 @@ class TargetServer:
             self._queued.discard(session)
         if isinstance(result, BaseException):
             raise result
-        response = convert.verify_result_to_proto(result)
+        response = convert.verify_result_to_proto(result, self.args.feature_dtype)
         await _offer_route(self._direct, response)
         return response
 
@@ -283,7 +293,19 @@ class DrafterServer:
     def _propose(self, args):
         self._live.add(args.session_id)
         version, drafter = self._pick(args)
+        self._observe(drafter, args)
         return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
+
+    @staticmethod
+    def _observe(drafter, args) -> None:
+        """A white-box drafter takes the call's features first; rows after a gap (this replica lost
+        the session's earlier ones) fail the call with the position the router must resend from."""
+        if args.features is None or not reads_features(drafter):
+            return
+        try:
+            drafter.observe_features(args.session_id, args.features)
+        except FeatureGap as gap:
+            raise convert.feature_gap_error(gap) from None
 
     async def Replay(self, request: drafter_pb2.ReplayRequest) -> drafter_pb2.ReplayResponse:
         args = self._hosted(convert.replay_request_from_proto(request))
@@ -296,6 +318,7 @@ class DrafterServer:
     def _replay(self, args) -> int | None:
         self._live.add(args.session_id)  # a replay warms the session's cache: Release frees it
         drafter = self._pick(args)[1]
+        self._observe(drafter, args)
         if not isinstance(drafter, Replayable):
             return None
         return drafter.replay(args.session_id, args.context_ids, args.continuation, args.k, args.params)
@@ -314,7 +337,8 @@ class DrafterServer:
         return held
 
     async def Info(self) -> dict:
-        return {"name": self.args.name, "tokenizer_fingerprint": self.drafter.tokenizer_fingerprint}
+        return {"name": self.args.name, "tokenizer_fingerprint": self.drafter.tokenizer_fingerprint,
+                "feature_width": int(self.drafter.feature_width) if reads_features(self.drafter) else 0}
 
     async def Sessions(self) -> list[str]:
         """Sessions this replica proposed for and has not released."""
@@ -365,14 +389,28 @@ class RouterServer:
 
         infos = await asyncio.gather(*(h.options(method_name="Info").remote() for h in drafter_handles.values()))
         drafters = {}
+        self._relay: FeatureRelay | None = None  # the target's features per session, for the white-box arms
         for (name, handle), drafter_info in zip(drafter_handles.items(), infos):
             if drafter_info["name"] != name:
                 raise NotFound(f"application {dict(args.drafter_apps)[name]!r} serves drafter {drafter_info['name']!r}, not {name!r}")
             fingerprint = drafter_info["tokenizer_fingerprint"]
             if fingerprint is not None:
                 check_same_tokenizer(info["tokenizer_fingerprint"], fingerprint, name)
+            width = int(drafter_info.get("feature_width", 0))
+            if width and self._relay is None:
+                self._relay = self._feature_relay(info, name, width)
+            if width and width != self._relay.width:
+                raise IncompatibleModels(f"drafter {name!r} reads features of width {width}, but the target "
+                                         f"{info['model']} returns width {self._relay.width}")
             drafters[name] = RemoteDrafter(name, DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s,
-                                                                  routes("drafter")), fingerprint)
+                                                                  routes("drafter")), fingerprint, width,
+                                           self._relay if width else None)
+        self._drafters = drafters
+        self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target")))
+        metrics = RayMetrics()
+        self._verifier.features_received.observer = lambda count: metrics.feature_bytes("target", "none", count)
+        for name, drafter in drafters.items():
+            drafter.features_sent.observer = lambda count, name=name: metrics.feature_bytes("drafter", name, count)
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
@@ -380,15 +418,24 @@ class RouterServer:
             tokenizer,
             ModelInfo(info["model"], tuple(info["stop_token_ids"]), info["context_window"], info["tokenizer_fingerprint"]),
             ServedDrafters(drafters),
-            RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"))),
+            self._verifier,
             self.store,
             OrchestratorSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta,
                                  probe_rounds=args.probe_rounds),
-            RayMetrics(),
+            metrics,
             feedback=self._feedback(args),
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
+
+    @staticmethod
+    def _feature_relay(info: dict, drafter: str, width: int) -> FeatureRelay:
+        """The router's feature store, once the pool has a white-box arm; a target deployment that
+        does not say it returns features (one older than them) is refused here, not run blind."""
+        if not info.get("feature_width"):
+            raise FailedPrecondition(f"drafter {drafter!r} reads the target's features, but the target deployment does not "
+                                     "return them (an older specpool?): upgrade the target application")
+        return FeatureRelay(int(info["feature_width"]), info.get("feature_dtype", "float16"))
 
     @staticmethod
     def _feedback(args: RouterArgs) -> EmittedFeedback | None:
@@ -501,6 +548,15 @@ class RouterServer:
         return SessionKey("health", "probe")
 
     # -- introspection (deployment handles only; not on the gRPC API) ------------------------------
+    async def FeatureStats(self) -> dict:
+        """Feature traffic of this replica: received from the target, sent to each white-box
+        drafter (calls, rows, bytes), resends after a deployment's gap, sessions held."""
+        white_box = {name: d for name, d in self._drafters.items() if d.relay is not None}
+        return {"received": self._verifier.features_received.as_dict(),
+                "sent": {name: d.features_sent.as_dict() for name, d in white_box.items()},
+                "resends": {name: d.resends for name, d in white_box.items()},
+                "sessions": self._relay.sessions() if self._relay is not None else 0}
+
     async def Direct(self) -> dict:
         """Calls this replica made over same-node direct routes, and those that fell back to Serve."""
         return {"calls": sum(r.calls for r in self._direct), "fallbacks": sum(r.fallbacks for r in self._direct)}

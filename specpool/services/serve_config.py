@@ -61,6 +61,7 @@ MODEL_APP_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 REPLICA_SWITCH_INTERVAL_S = 0.0005
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+FEATURE_DTYPES = ("float16", "bfloat16")  # = specpool.target.features.WIRE_DTYPES (this module stays torch-free)
 _APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 _MISSING = object()
@@ -281,6 +282,9 @@ class TargetArgs:
     ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 1, "num_gpus": 0})
     max_ongoing_requests: int | None = None  # None: 4 x max_batch_size, at least 32
     torch_threads: int | None = None  # None: the replica's num_cpus (at least 1)
+    # Wire encoding of the features white-box drafters read (2 bytes a value either way):
+    # float16 by default; bfloat16 for a target whose hidden states overflow float16's range.
+    feature_dtype: str = "float16"
 
     @property
     def ongoing(self) -> int:
@@ -313,6 +317,10 @@ class TargetArgs:
             out["max_ongoing_requests"] = _int(where, "max_ongoing_requests", args["max_ongoing_requests"], 1)
         if args.get("torch_threads") is not None:
             out["torch_threads"] = _int(where, "torch_threads", args["torch_threads"], 1)
+        if "feature_dtype" in args:
+            if args["feature_dtype"] not in FEATURE_DTYPES:
+                raise InvalidArgument(f"{where}: feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {args['feature_dtype']!r}")
+            out["feature_dtype"] = args["feature_dtype"]
         parsed = cls(**out)
         if parsed.ongoing < parsed.max_batch_size:
             raise InvalidArgument(f"{where}: max_ongoing_requests ({parsed.ongoing}) must be >= max_batch_size "
@@ -382,8 +390,15 @@ class DrafterArgs:
 # -- Serve config files -----------------------------------------------------------------------------------
 def drafter_app_name(drafter: str) -> str:
     """The application name of a drafter: ``drafter-code``; spec characters Serve would not take
-    in a name (``:`` ``/``) become ``-``."""
-    return "drafter-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", drafter).strip("-")
+    in a name (``:`` ``/``) become ``-`` (``eagle:/srv/heads/code`` -> ``drafter-eagle-srv-heads-code``),
+    and a name over 100 characters (a long head path) keeps its tail and a hash of the whole spec."""
+    name = "drafter-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", drafter).strip("-")
+    if len(name) <= 100:
+        return name
+    import hashlib
+
+    digest = hashlib.sha256(drafter.encode()).hexdigest()[:10]
+    return f"drafter-{digest}-{name[-(100 - 19):].lstrip('-.')}"
 
 
 def default_serve_config(
@@ -394,6 +409,7 @@ def default_serve_config(
     policy: str = DEFAULT_POLICY,
     k: int = DEFAULT_K,
     cores: int | None = None,
+    feature_dtype: str = "float16",
 ) -> dict:
     """The Serve config `specpool serve` runs without --config: the target and one application per
     drafter of ``pool`` on this machine's CPUs, the router as the gRPC ingress. Same shape as
@@ -431,7 +447,8 @@ def default_serve_config(
                 "logging_config": dict(MODEL_APP_LOGGING),
                 "args": {"model": DEFAULT_TARGET, "device": "cpu", "dtype": "auto", "cache_capacity": 64,
                          "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "num_replicas": 1,
-                         "ray_actor_options": {"num_cpus": cores, "num_gpus": 0}},
+                         "ray_actor_options": {"num_cpus": cores, "num_gpus": 0},
+                         **({"feature_dtype": feature_dtype} if feature_dtype != "float16" else {})},
             },
             *drafters,
         ],

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FeatureDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FEATURE_DTYPE_UNSPECIFIED: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_FLOAT16: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_BFLOAT16: _ClassVar[FeatureDtype]
+FEATURE_DTYPE_UNSPECIFIED: FeatureDtype
+FEATURE_DTYPE_FLOAT16: FeatureDtype
+FEATURE_DTYPE_BFLOAT16: FeatureDtype
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -55,3 +65,15 @@ class DirectRoute(_message.Message):
     address: str
     token: str
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "width", "dtype", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    width: int
+    dtype: FeatureDtype
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[FeatureDtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "context_ids", "k", "sampling", "weight_version", "drafter", "tenant", "exact_version")
+    __slots__ = ("session_id", "context_ids", "k", "sampling", "weight_version", "drafter", "tenant", "exact_version", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ProposeRequest(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EXACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -25,7 +26,8 @@ class ProposeRequest(_message.Message):
     drafter: str
     tenant: str
     exact_version: bool
-    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., exact_version: _Optional[bool] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., exact_version: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tokens", "q", "forward_s", "weight_version", "direct", "source")
@@ -44,7 +46,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., direct: _Optional[_Union[_common_pb2.DirectRoute, _Mapping]] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ReplayRequest(_message.Message):
-    __slots__ = ("session_id", "context_ids", "continuation", "k", "sampling", "drafter", "tenant", "weight_version", "exact_version")
+    __slots__ = ("session_id", "context_ids", "continuation", "k", "sampling", "drafter", "tenant", "weight_version", "exact_version", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class ReplayRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     continuation: _containers.RepeatedScalarFieldContainer[int]
@@ -63,7 +66,8 @@ class ReplayRequest(_message.Message):
     tenant: str
     weight_version: int
     exact_version: bool
-    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., continuation: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., weight_version: _Optional[int] = ..., exact_version: _Optional[bool] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., continuation: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., tenant: _Optional[str] = ..., weight_version: _Optional[int] = ..., exact_version: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ReplayResponse(_message.Message):
     __slots__ = ("accepted", "known", "replay_s")

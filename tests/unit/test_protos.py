@@ -203,6 +203,42 @@ def test_verify_request_and_response_round_trip():
     assert parsed == response and list(parsed.tv) == tv  # double: rewards equal the embedded engine's
 
 
+def test_features_are_new_fields_that_older_peers_skip_and_newer_ones_default():
+    """Backward compatible (new field numbers only): a message with features parses in a reader
+    whose schema predates them (unknown fields are skipped), and an older message parses in this
+    schema with no features (``HasField`` false), which the router refuses for a white-box arm."""
+    common, target, drafter = _pb2("common"), _pb2("target"), _pb2("drafter")
+    features = common.Features(start=5, width=576, dtype=common.FEATURE_DTYPE_BFLOAT16, data=b"\x01\x02" * 576 * 3)
+    fields = {(m.DESCRIPTOR.name, f.name): f.number for m in (target.VerifyRequest, target.VerifyResponse,
+                                                             drafter.ProposeRequest, drafter.ReplayRequest)
+              for f in m.DESCRIPTOR.fields if "feature" in f.name}
+    assert fields == {("VerifyRequest", "return_features"): 7, ("VerifyResponse", "features"): 7,
+                      ("ProposeRequest", "features"): 9, ("ReplayRequest", "features"): 10}
+    response = target.VerifyResponse(accepted=2, tokens=[7, 8, 9], features=features)
+    parsed = target.VerifyResponse.FromString(response.SerializeToString())
+    assert parsed.features == features and len(parsed.features.data) == 3 * 576 * 2
+    old = target.VerifyResponse(accepted=2, tokens=[7, 8, 9])  # what an older target sends
+    assert not target.VerifyResponse.FromString(old.SerializeToString()).HasField("features")
+    # An older reader: target.proto without the new fields, in a pool of its own.
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (common, target):
+        file = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(file)
+        for message in file.message_type:
+            kept = [f for f in message.field if "feature" not in f.name]
+            del message.field[:]
+            message.field.extend(kept)
+        pool.Add(file)
+    older = message_factory.GetMessageClass(pool.FindMessageTypeByName("specpool.v1.VerifyResponse"))
+    parsed_old = older.FromString(response.SerializeToString())
+    assert (parsed_old.accepted, list(parsed_old.tokens)) == (2, [7, 8, 9])
+    assert "features" not in older.DESCRIPTOR.fields_by_name
+    request = drafter.ProposeRequest(session_id="s", context_ids=[1, 2], k=3, features=features)
+    assert pickle.loads(pickle.dumps(request)) == request  # Ray's actor transport pickles messages
+
+
 def test_negative_token_ids_are_refused_at_construction():
     with pytest.raises(ValueError):
         _pb2("common").SparseDistribution(token_ids=[-1], probs=[1.0])

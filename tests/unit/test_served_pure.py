@@ -90,6 +90,7 @@ def test_target_args():
     assert args.threads == 3 and args.ongoing == 32 and args.dtype == "auto"
     assert TargetArgs.parse({"ray_actor_options": {"num_cpus": 0.5}}).threads == 1
     assert TargetArgs.parse({"device": "cuda", "ray_actor_options": {"num_gpus": 1}}).device == "cuda"
+    assert args.feature_dtype == "float16" and TargetArgs.parse({"feature_dtype": "bfloat16"}).feature_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -101,6 +102,7 @@ def test_target_args():
     ({"max_batch_size": 16, "max_ongoing_requests": 8}, "must be >= max_batch_size"),
     ({"cache_capacity": 0}, "cache_capacity must be >= 1"),
     ({"modle": "x"}, "unknown key 'modle'"),
+    ({"feature_dtype": "float32"}, "feature_dtype must be one of float16, bfloat16"),
 ])
 def test_target_args_errors(args, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -122,6 +124,29 @@ def test_drafter_args():
                          ({"refresh_s": -1}, "refresh_s must be >= 0")):
         with pytest.raises(InvalidArgument, match=message):
             DrafterArgs.parse({"name": "code", **bad})
+
+
+def test_white_box_drafters_deploy_like_any_drafter_spec():
+    """``specpool serve --pool eagle:PATH,lookup:eagle:PATH``: one drafter application each, named
+    from the spec (a long head path still gives a valid, distinct application name)."""
+    from specpool.cli.main import build_parser
+    from specpool.cli.served import serve_config_from_args
+
+    long_path = "/srv/" + "heads/" * 20 + "code"
+    pool = ["eagle:/tmp/heads/t1", "lookup:eagle:/tmp/heads/t1", f"eagle:{long_path}", f"eagle:{long_path}2"]
+    args = build_parser().parse_args(["serve", "--pool", ",".join(pool), "--feature-dtype", "bfloat16"])
+    config, _ = serve_config_from_args(args)
+    plan = plan_from_config(config)
+    names = [a.name for a in plan.apps]
+    assert names[:3] == ["target", "drafter-eagle-tmp-heads-t1", "drafter-lookup-eagle-tmp-heads-t1"]
+    assert len(set(names)) == len(names) and all(len(n) <= 100 for n in names)
+    assert RouterArgs.parse(plan.router.args).pool == pool
+    assert [DrafterArgs.parse(a.args).name for a in plan.apps[1:-1]] == pool
+    assert TargetArgs.parse(plan.apps[0].args).feature_dtype == "bfloat16"
+    assert "feature_dtype" not in default_serve_config(["eagle:/h"])["applications"][1]["args"]  # float16: the default
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(config)  # Serve itself accepts the names
 
 
 def test_the_kubernetes_serve_config_is_a_valid_plan():
@@ -432,6 +457,8 @@ def test_serve_print_config(cli):
     (["serve", "--pool", "ngram,bogus"], "unknown drafter 'bogus'"),
     (["serve", "--config", "/no/such/file.yaml"], "does not exist"),
     (["serve", "--config", str(REPO / "k8s" / "rayservice.yaml"), "--pool", "ngram"], "--pool is for the default config"),
+    (["serve", "--config", str(REPO / "k8s" / "rayservice.yaml"), "--feature-dtype", "bfloat16"],
+     "--feature-dtype is for the default config"),
     (["client", "generate", "  "], "the prompt is empty"),
     (["client", "generate", "x", "--address", "nowhere"], "--address must be HOST:PORT"),
     (["client", "generate", "x", "-k", "40"], "-k must be in 1..32"),

@@ -1,0 +1,223 @@
+"""Integration: a white-box (EAGLE-style) drafter served for real. Ray Serve on a local Ray cluster,
+the real default target, a drafter deployment hosting ``eagle:HEAD`` next to ``ngram``, Redis at
+127.0.0.1:6379, gRPC on loopback; no mocks. The config is the one ``specpool serve --pool
+eagle:HEAD,ngram`` runs. The head is built here (the target's own embedding and last layer,
+untrained: what it guesses does not matter, only that it drafts from the target's features), so the
+test needs nothing outside git but the cached target.
+
+Every served answer equals the embedded engine's greedy answer (the target's own tokens); the
+feature traffic is measured: the target sends (a + 1) x 576 x 2 bytes a round, each position once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specpool.core.defaults import DEFAULT_TARGET
+
+pytestmark = pytest.mark.integration
+
+from redis_helpers import URL, connect_or_skip
+
+MAX_NEW = 24
+K = 5
+WIDTH = 576  # the default target's hidden size
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to French: Where is the train station?",
+    # Copy-heavy: the n-gram arm has drafts accepted, so rounds carry a + 1 > 1 rows.
+    "Repeat this line three times: the quick brown fox jumps over the lazy dog.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _call(handle, method: str, *args):
+    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
+
+
+def make_head(folder: Path, home: Path) -> Path:
+    """An untrained head for the real target, exported as ``specpool zoo train --arch eagle`` does."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specpool.drafters.eagle import HEAD_KIND, target_card
+    from specpool.drafters.eagle_model import EagleConfig, EagleHead, init_from_target
+    from specpool.learning.zoo_train import export_drafter
+    from specpool.target.models import resolve_model, tokenizer_fingerprint
+
+    target_dir = Path(resolve_model(DEFAULT_TARGET, home))
+    target = AutoConfig.from_pretrained(target_dir)
+    state = load_file(str(target_dir / "model.safetensors"))
+    config = EagleConfig(hidden_size=target.hidden_size, num_heads=target.num_attention_heads,
+                         num_kv_heads=target.num_key_value_heads, intermediate_size=target.intermediate_size,
+                         reduced_vocab=8192, rms_eps=float(target.rms_norm_eps),
+                         max_positions=int(target.max_position_embeddings))
+    head = EagleHead(config, state["model.embed_tokens.weight"].float(), torch.arange(config.reduced_vocab))
+    init_from_target(head, {k: v.float() for k, v in state.items()}, target.num_hidden_layers - 1)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_dir))
+    metadata = {"name": folder.name, "kind": HEAD_KIND, "target": DEFAULT_TARGET, "target_tokenizer_fingerprint": fingerprint,
+                "target_card": target_card(target_dir), "model": config.to_dict()}
+    export_drafter(head, folder, metadata, "# test head (untrained)\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    from specpool.services.config import settings_from_env
+
+    return make_head(tmp_path_factory.mktemp("heads") / "t1", settings_from_env().home)
+
+
+@pytest.fixture(scope="module")
+def served(head):
+    raw = connect_or_skip(decode_responses=True)
+    from specpool.cli.main import build_parser
+    from specpool.cli.served import serve_config_from_args
+    from specpool.services.local_serve import start_local
+    from specpool.services.serve_config import drafter_app_name, plan_from_config
+
+    pool = [f"eagle:{head}", "ngram"]
+    port = _free_port()
+    # What `specpool serve --pool eagle:HEAD,ngram --port PORT` runs.
+    config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", ",".join(pool), "--port", str(port)]))
+    namespace = f"specpool-wb-{uuid.uuid4().hex[:8]}"
+    router = next(a for a in config["applications"] if a["name"] == "router")
+    router["args"].update(redis_url=URL, redis_namespace=namespace, k=K)
+    local = start_local(plan_from_config(config, "the test config"), metrics_port=None,
+                        progress=lambda m: print(f"[served] {m}", flush=True))
+    from ray import serve
+
+    yield SimpleNamespace(
+        address=local.address, pool=pool, eagle=pool[0],
+        router=serve.get_deployment_handle("Router", app_name="router"),
+        target=serve.get_deployment_handle("Target", app_name="target"),
+        drafter=serve.get_deployment_handle("Drafter", app_name=drafter_app_name(pool[0])),
+    )
+    local.shutdown()
+    keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        raw.delete(*keys)
+    raw.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from specpool.services.client import SpecPoolClient
+
+    with SpecPoolClient(served.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(head):
+    """The embedded engine's greedy answer, with the same white-box pool (cached)."""
+    from specpool.services.config import settings_from_env
+    from specpool.services.engine import EmbeddedEngine
+    from specpool.target.sampling import SamplingParams
+
+    engine = EmbeddedEngine.default(settings_from_env().home)
+    cache: dict[str, list[int]] = {}
+
+    def answer(prompt: str) -> list[int]:
+        if prompt not in cache:
+            params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=engine.stop_token_ids())
+            cache[prompt] = engine.generate(engine.encode_prompt(prompt), params, k=K, session_id=uuid.uuid4().hex,
+                                            policy="metasd-ucb", pool=[f"eagle:{head}", "ngram"]).token_ids
+        return cache[prompt]
+
+    return answer
+
+
+@pytest.mark.parametrize("prompt, policy", [(PROMPTS[0], "fixed:eagle"), (PROMPTS[2], "")])
+def test_served_white_box_greedy_equals_embedded_and_features_cost_a_plus_1_rows_a_round(served, client, reference,
+                                                                                          prompt, policy):
+    """``fixed:eagle``: the head drafts every round; "": the server's metasd-ucb over eagle and ngram."""
+    policy = policy.replace("eagle", served.eagle)
+    before = _call(served.router, "FeatureStats")
+    answer = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex, policy=policy)
+    after = _call(served.router, "FeatureStats")
+    assert answer.token_ids == reference(prompt)
+    stats = answer.stats
+    received = {key: after["received"][key] - before["received"][key] for key in ("calls", "rows", "bytes")}
+    sent = after["sent"][served.eagle]["bytes"] - before["sent"].get(served.eagle, {}).get("bytes", 0)
+    # Every verify returned features: the prompt's rows on the prefill round (which drafts
+    # nothing), then accepted + 1 a round (the positions the target's cache gained), 2 bytes a value.
+    assert received["calls"] == stats.rounds
+    assert received["rows"] == stats.prompt_tokens + (stats.rounds - 1) + stats.accepted_tokens
+    assert received["bytes"] == received["rows"] * WIDTH * 2
+    drafted_rounds = stats.rounds - 1
+    per_round = (received["bytes"] - stats.prompt_tokens * WIDTH * 2) / drafted_rounds
+    mean_a = stats.accepted_tokens / drafted_rounds
+    print(f"\n[white-box served] {prompt[:30]!r} ({policy or 'metasd-ucb'}): {stats.rounds} rounds "
+          f"{dict(stats.rounds_by_drafter)}, mean accepted {mean_a:.2f}; target -> router {per_round:.0f} bytes a round "
+          f"after the prefill = (a+1) x {WIDTH} x 2; router -> eagle deployment {sent} bytes in all")
+    assert per_round == pytest.approx((mean_a + 1) * WIDTH * 2)
+    # The drafter deployment is sent each row at most once (those before the rounds it drafted).
+    assert sent <= received["bytes"]
+    if policy:
+        assert 0 < sent and stats.draft_tokens > 0
+    else:
+        assert stats.accepted_tokens > 0  # rounds of a + 1 > 1 rows
+
+
+def test_a_drafter_replica_that_lost_the_sessions_features_gets_them_again(served, client, reference):
+    session = f"lost-{uuid.uuid4().hex[:8]}"
+    from specpool.v1 import common_pb2
+
+    first = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, policy=f"fixed:{served.eagle}")
+    assert first.token_ids == reference(PROMPTS[0])
+    # The replica forgets the session (as a restart or an eviction would); the router does not know.
+    assert _call(served.drafter, "Release", common_pb2.ReleaseRequest(session_id=session)).released
+    resends = _call(served.router, "FeatureStats")["resends"][served.eagle]
+    second = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, policy=f"fixed:{served.eagle}")
+    assert second.token_ids == reference(PROMPTS[0])
+    assert _call(served.router, "FeatureStats")["resends"][served.eagle] == resends + 1  # resent from 0, once
+    assert second.stats.draft_tokens > 0  # and the head drafted again with them
+
+
+def test_concurrent_sessions_batch_their_verifies_with_features(served, client, reference):
+    import threading
+
+    before = _call(served.target, "Stats")["batch_sizes"]
+    results, errors = {}, []
+
+    def run(prompt: str) -> None:
+        try:
+            results[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex).token_ids
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == {p: reference(p) for p in PROMPTS}
+    after = _call(served.target, "Stats")["batch_sizes"]
+    assert sum(count - before.get(size, 0) for size, count in after.items() if size > 1) > 0, after
+
+
+def test_cli_client_generate_against_a_white_box_pool(served, reference):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specpool.cli.main", "client", "generate", PROMPTS[1], "--address", served.address,
+         "--max-new-tokens", str(MAX_NEW), "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == reference(PROMPTS[1])
