@@ -22,7 +22,9 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from specpool.core.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, SessionBusy, SpecpoolError
+from specpool.core.errors import (
+    Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SessionBusy, SpecpoolError,
+)
 from specpool.services import api as convert
 from specpool.services.api import Stats
 from specpool.v1 import specpool_pb2_grpc
@@ -34,6 +36,7 @@ _ERRORS: dict[str, type[SpecpoolError]] = {
     "DEADLINE_EXCEEDED": DeadlineExceeded,
     "CANCELLED": Cancelled,
     "ABORTED": SessionBusy,
+    "FAILED_PRECONDITION": FailedPrecondition,
 }
 
 

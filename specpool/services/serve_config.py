@@ -49,6 +49,9 @@ SERVE_ENV = {
     # The controller's reconcile loop at 2 Hz instead of 10 Hz: deploys and replacing a dead
     # replica react up to 0.4 s later; requests do not pass through it.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Calls between replicas carry the target's features for white-box arms (1,152 bytes a
+    # position on the default target): a prefill of a long prompt exceeds Serve's 4 MB default.
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "67108864",
 }
 # Serve's logging for the target and drafter applications (a Serve config's per-application
 # `logging_config`): warnings only, no access log. Their calls are internal, two per round of every
