@@ -43,6 +43,7 @@ from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 
 SHIPPED_DIR = Path(__file__).parent / "heads"
+MANIFEST = SHIPPED_DIR / "manifest.json"  # file hashes and reference acceptance (specpool zoo manifest)
 HEAD_KIND = "eagle"
 
 
@@ -77,6 +78,9 @@ def check_card(metadata: dict, target_name: str, card: dict, where: Path) -> Non
 
 def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") -> tuple[EagleHead, dict]:
     config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not folder.exists():
+        raise ModelUnavailable(f"no white-box head {str(folder)!r}: neither a shipped head "
+                               f"(shipped: {', '.join(shipped_heads()) or 'none'}) nor a folder")
     if not config_path.exists() or not weights_path.exists():
         raise ModelUnavailable(f"{folder} is not a white-box head (needs config.json and model.safetensors)")
     metadata = json.loads(config_path.read_text())
@@ -107,11 +111,12 @@ class HeadSession:
     tokens: list[int] = field(default_factory=list)  # x_{t+1} read by head positions 0 .. m-1
 
     def crop(self, length: int) -> None:
-        """Keep head positions 0 .. length-1."""
-        extra = len(self.tokens) - length
+        """Keep head positions 0 .. length-1. The cache's own length counts, not ``tokens``': draft
+        steps grow the cache past the positions ``tokens`` records (they read guessed features)."""
+        extra = self.cache.get_seq_length() - length
         if extra > 0:
             self.cache.crop(-extra)
-            del self.tokens[length:]
+        del self.tokens[length:]
 
 
 class EagleDrafter:
