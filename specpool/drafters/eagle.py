@@ -88,6 +88,9 @@ def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") 
         raise InvalidArgument(f"{folder} holds a {metadata.get('kind')!r} drafter, not a white-box head; "
                               f"load it as {metadata.get('kind')}:{folder}")
     target_dir = Path(resolve_model(target, home))
+    if not (target_dir / "config.json").exists() or not (target_dir / "model.safetensors").exists():
+        raise ModelUnavailable(f"white-box head {folder} needs its target {target} as a local folder with config.json "
+                               "and model.safetensors (it borrows the target's embedding and output head)")
     check_card(metadata, target, target_card(target_dir), folder)
     with safe_open(str(target_dir / "model.safetensors"), framework="pt") as handle:
         embedding = handle.get_tensor("model.embed_tokens.weight").float()  # (V, d), frozen, shared

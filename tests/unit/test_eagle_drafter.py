@@ -510,3 +510,17 @@ def test_clear_errors_for_bad_eagle_specs(tmp_path, home, model_dirs):
     with pytest.raises(ModelUnavailable) as caught:
         create_drafter(f"eagle:{tmp_path}", context)  # a folder, but empty
     assert "is not a white-box head (needs config.json" in one_line(caught.value)
+
+
+def test_a_head_for_another_tokenizer_is_refused_by_the_engine(tmp_path, head, engine, model_dirs, target_lm):
+    folder = write_head(tmp_path / "other-tokenizer", head, model_dirs.target, target_lm[1],
+                        target_tokenizer_fingerprint="0123456789abcdef")
+    with pytest.raises(IncompatibleModels) as caught:
+        engine.drafter(f"eagle:{folder}")
+    one_line(caught.value)
+
+
+def test_a_target_that_is_not_a_local_folder_is_one_clear_error(head_dir, home):
+    with pytest.raises(ModelUnavailable) as caught:
+        load_eagle_head(head_dir, home, "some-org/some-model")  # a hub id: no local weights to borrow
+    assert "needs its target some-org/some-model as a local folder" in one_line(caught.value)
