@@ -165,9 +165,10 @@ class EagleDrafter:
     @torch.inference_mode()
     def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         n = len(context_ids)
-        session = self._session(session_id)
-        if k <= 0 or n < 2 or len(session.features) < n - 1:
+        session = self._sessions.get(session_id)  # not created here: a session without features would evict one with
+        if session is None or k <= 0 or n < 2 or len(session.features) < n - 1:
             return Proposal([], [])  # no features for this context yet (the loop's prefill round gives them)
+        self._sessions.move_to_end(session_id)  # least recently used goes first
         started = time.perf_counter()
         # Positions 0 .. m-1 stay if they read these very tokens; at least one position is fed
         # again, so the head's output at position n-2 (the first draft's source) is at hand.

@@ -267,9 +267,12 @@ def test_sessions_beyond_capacity_are_evicted(head, target_lm, prompts):
         tell(drafter, session, model, prompts[0][:10])
     assert drafter.features_held("a") == 0 and list(drafter._sessions) == ["b", "c"]
     assert drafter.propose("a", prompts[0][:10], 3, GREEDY).tokens == []  # no features: nothing to say
-    assert drafter.features_held("b") == 0  # the propose made "a" a session again, evicting "b"
-    drafter.release("c")
-    assert drafter.features_held("c") == 0 and len(drafter._sessions) == 1
+    assert list(drafter._sessions) == ["b", "c"]  # and no empty session made for it, evicting one with features
+    assert drafter.propose("b", prompts[0][:10], 3, GREEDY).tokens  # "b" used last ...
+    tell(drafter, "d", model, prompts[0][:10])  # ... so "c" goes
+    assert list(drafter._sessions) == ["b", "d"]
+    drafter.release("d")
+    assert drafter.features_held("d") == 0 and list(drafter._sessions) == ["b"]
 
 
 def test_observe_features_after_a_gap_raises_feature_gap(head, target_lm, prompts):
