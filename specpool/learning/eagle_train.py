@@ -233,7 +233,7 @@ def train_head_steps(head: EagleHead, sequences: list[FeatureSequence], heldout:
         nonlocal best
         acceptance = heldout_acceptance(head, heldout)
         state.val_losses.append(round(acceptance, 4))
-        if -acceptance < state.best_val:
+        if -acceptance <= state.best_val:  # a tie goes to the later, more trained weights
             state.best_val, state.best_step = -acceptance, state.step
             best = {k: v.detach().clone() for k, v in head.state_dict().items()}
         return acceptance

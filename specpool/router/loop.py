@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from specpool.drafters.base import Drafter, Proposal, Replayable, WhiteBox, reads_features
 from specpool.core.errors import FailedPrecondition
+from specpool.target.features import FeatureGap
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
@@ -22,6 +23,7 @@ class Verifier(Protocol):
     def verify(self, request: VerifyRequest) -> VerifyResult: ...
 
 
+@runtime_checkable
 class SessionVerifier(Verifier, Protocol):
     """A verifier that keeps a KV cache per session, and frees it when told (the local
     ``TargetVerifier`` and the target deployment's ``RemoteVerifier``)."""
@@ -140,6 +142,33 @@ def block_divergence(tv: list[float]) -> float | None:
 _EMPTY = Proposal([], [])
 
 
+def _hand_features(white_box: Sequence[WhiteBox], verifier: Verifier, request: VerifyRequest,
+                   result: VerifyResult) -> VerifyResult:
+    """Give every white-box drafter the round's features; returns the round's result.
+
+    The target returns rows from the first position it fed, i.e. past the prefix it still had
+    cached for the session. A head that lacks rows before that (the session's earlier requests had
+    no white-box arm, or the head evicted the session) raises ``FeatureGap``: the round is then
+    verified again from an empty target cache, which returns every row. Its outcome is the same
+    round's (same logits up to float round-off, same seeded draws): one extra prefill, no change."""
+    if result.features is None:
+        raise FailedPrecondition("the pool has white-box drafters but the target returned no features "
+                                 "(a target deployment too old to return them?)")
+    try:
+        for drafter in white_box:
+            drafter.observe_features(request.session_id, result.features)
+    except FeatureGap:
+        if not isinstance(verifier, SessionVerifier):
+            raise
+        verifier.release(request.session_id)
+        result = verifier.verify(request)
+        if result.features is None:
+            raise FailedPrecondition("the target returned no features on a re-verified round") from None
+        for drafter in white_box:
+            drafter.observe_features(request.session_id, result.features)
+    return result
+
+
 def _replay(chooser: DrafterChooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int],
             target_tokens: list[int], k: int, params: SamplingParams,
             source: str | None) -> tuple[dict[str, int] | None, float]:
@@ -215,15 +244,12 @@ def speculative_generate(
             proposal = drafters[name].propose(session_id, context, k_round, params)
         drafted = time.perf_counter()
         top_k = return_top_k if proposal.tokens else 0
-        result = verifier.verify(VerifyRequest(session_id, context, proposal.tokens, proposal.q, params,
-                                               return_top_k=top_k, return_features=bool(white_box)))
+        request = VerifyRequest(session_id, context, proposal.tokens, proposal.q, params,
+                                return_top_k=top_k, return_features=bool(white_box))
+        result = verifier.verify(request)
         verified = time.perf_counter()
         if white_box:
-            if result.features is None:
-                raise FailedPrecondition("the pool has white-box drafters but the target returned no features "
-                                         "(a target deployment too old to return them?)")
-            for drafter in white_box:
-                drafter.observe_features(session_id, result.features)
+            result = _hand_features(white_box, verifier, request, result)
 
         emitted = result.tokens
         for i, token in enumerate(emitted):

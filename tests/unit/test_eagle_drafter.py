@@ -435,8 +435,6 @@ def test_a_target_without_features_is_an_error_not_a_slowdown(head, target_lm, p
     assert result.rounds[0].drafter == "n"
 
 
-@pytest.mark.xfail(strict=True, raises=FeatureGap, reason="loop.py: a white-box drafter that lost a session the target still "
-                   "caches gets features after a gap (FeatureGap) and the request fails; see the report")
 def test_a_head_that_lost_the_session_recovers(head, target_lm, prompts, greedy_reference):
     """The target still caches the session (an earlier request with a black-box pool, or the head
     evicted it): its prefill round feeds only the last token, so the features start past what the
