@@ -333,23 +333,28 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 def cmd_zoo_manifest(settings) -> int:
     import json
 
+    from specpool.drafters import eagle
     from specpool.drafters.zoo import MANIFEST, REFERENCE_SETTINGS, SHIPPED_DIR, build_manifest, shipped_names
     from specpool.services.engine import EmbeddedEngine
     from specpool.target.models import DEFAULT_TARGET
     from specpool.target.sampling import SamplingParams
 
-    names = shipped_names()
     engine = EmbeddedEngine.default(settings.home)
+    # The black-box zoo (zoo:PATH) and the white-box heads (eagle:PATH), each with its manifest.
+    for kind, folder, names, manifest_path in (("zoo", SHIPPED_DIR, shipped_names(), MANIFEST),
+                                               ("eagle", eagle.SHIPPED_DIR, eagle.shipped_heads(), eagle.MANIFEST)):
+        if not names:
+            continue
 
-    def measure(name: str, prompt: str) -> float:
-        params = SamplingParams(max_new_tokens=REFERENCE_SETTINGS["max_new_tokens"], stop_token_ids=engine.stop_token_ids())
-        result = engine.generate(engine.encode_prompt(prompt), params, f"zoo:{SHIPPED_DIR / name}", k=REFERENCE_SETTINGS["k"])
-        return result.mean_accepted_length
+        def measure(name: str, prompt: str) -> float:
+            params = SamplingParams(max_new_tokens=REFERENCE_SETTINGS["max_new_tokens"], stop_token_ids=engine.stop_token_ids())
+            result = engine.generate(engine.encode_prompt(prompt), params, f"{kind}:{folder / name}", k=REFERENCE_SETTINGS["k"])
+            return result.mean_accepted_length
 
-    manifest = build_manifest(names, DEFAULT_TARGET, engine.verifier.tokenizer_fingerprint, measure)
-    MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum((SHIPPED_DIR / n / f).stat().st_size for n in names for f in manifest["drafters"][n]["files"])
-    print(f"wrote {MANIFEST}: {len(names)} drafters, {total / 1e6:.1f} MB")
+        manifest = build_manifest(names, DEFAULT_TARGET, engine.verifier.tokenizer_fingerprint, measure, folder)
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+        total = sum((folder / n / f).stat().st_size for n in names for f in manifest["drafters"][n]["files"])
+        print(f"wrote {manifest_path}: {len(names)} {'drafters' if kind == 'zoo' else 'white-box heads'}, {total / 1e6:.1f} MB")
     return 0
 
 

@@ -119,14 +119,16 @@ def shipped_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def build_manifest(names: list[str], target: str, target_fingerprint: str, measure) -> dict:
-    """Hashes of every shipped file and each drafter's acceptance on its reference prompt.
+def build_manifest(names: list[str], target: str, target_fingerprint: str, measure,
+                   shipped_dir: Path = SHIPPED_DIR) -> dict:
+    """Hashes of every shipped file and each drafter's acceptance on its reference prompt, for the
+    drafters (or white-box heads, specpool/drafters/heads/) in ``shipped_dir``.
 
     ``measure(name, prompt) -> mean accepted length`` runs the drafter (greedy, REFERENCE_SETTINGS).
     """
     drafters = {}
     for name in names:
-        folder = SHIPPED_DIR / name
+        folder = shipped_dir / name
         metadata = json.loads((folder / "config.json").read_text())
         prompt = REFERENCE_PROMPTS.get(metadata["domain"], REFERENCE_PROMPTS["general"])
         drafters[name] = {
