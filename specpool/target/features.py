@@ -49,6 +49,10 @@ class FeatureGap(FailedPrecondition):
         super().__init__(f"features start at position {start}, but this holder has them only up to {needed}: "
                          f"resend from {needed}")
         self.needed = needed
+        self.start = start
+
+    def __reduce__(self):  # pickled across Ray processes: rebuild from both arguments
+        return FeatureGap, (self.needed, self.start)
 
 
 class FeatureLog:
