@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--recipe", default="eagle", help="eagle only: eagle (teacher-forced, EAGLE-1) or unroll "
                        "(trained on its own guessed features, EAGLE-3's training-time test simplified)")
     train.add_argument("--unroll", type=int, default=3, help="eagle --recipe unroll: steps unrolled")
+    train.add_argument("--regression-weight", type=float, default=1.0,
+                       help="eagle only: weight of the feature regression beside the token cross-entropy (0: tokens only)")
     train.add_argument("--init-from", default=None, metavar="DRAFTER",
                        help="start from a trained zoo drafter (shipped name or folder) instead of the target's layers: "
                             "fine-tune a broader drafter on a small domain")
@@ -310,7 +312,8 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 
         from specpool.learning.eagle_train import HeadOptions, train_head
 
-        options = HeadOptions(recipe=args.recipe, unroll=args.unroll, init_from=args.init_from)
+        options = HeadOptions(recipe=args.recipe, unroll=args.unroll, init_from=args.init_from,
+                              regression_weight=args.regression_weight)
         metadata = train_head(replace(config, init_from=None), options, settings.home, out, args.resume,
                               args.target or DEFAULT_TARGET, device=args.device, teacher_only=args.teacher_only)
         if args.teacher_only:
