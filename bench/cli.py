@@ -28,6 +28,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-per-category", type=int, default=5, help="first N prompts of each category (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=f"new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--drafters", default=None, help="comma-separated drafter specs to compare, e.g. ngram,hf:PATH (default ngram)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="side-by-side benchmark: sample at this temperature (default 0: greedy, with the lossless token check)")
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length per round, for ours and the HF peers (default {DEFAULT_K})")
     parser.add_argument("--out", default=None,
                         help=f"output folder (default ./{BENCH_DEFAULTS['out']} in the working directory)")

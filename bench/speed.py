@@ -92,9 +92,11 @@ class Run:
 
 
 def build_systems(engine, specs: list[str], k: int, in_domain: str | None = None,
-                  in_domain_lookup: str | None = None) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
+                  in_domain_lookup: str | None = None,
+                  temperature: float = 0.0) -> dict[str, tuple[bool, Callable[[list[int], int, str], Run]]]:
     """name -> (ours, run(prompt_ids, max_new_tokens, category)). Each run times only the generate call.
-    ``in_domain`` / ``in_domain_lookup``: None or a family of IN_DOMAIN_CHOICES (in_domain_systems)."""
+    ``in_domain`` / ``in_domain_lookup``: None or a family of IN_DOMAIN_CHOICES (in_domain_systems).
+    ``temperature`` > 0: our systems sample (HF's peers are left out)."""
     import torch
     from transformers import PreTrainedModel
 
@@ -106,7 +108,9 @@ def build_systems(engine, specs: list[str], k: int, in_domain: str | None = None
 
     def ours(drafter: str | None):
         def run(prompt_ids: list[int], n: int, category: str) -> Run:
-            params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=stop_ids)
+            # Sampled runs: one seed per prompt (its length), the same for every system.
+            params = SamplingParams(temperature=temperature, max_new_tokens=n, stop_token_ids=stop_ids,
+                                    seed=len(prompt_ids))
             sync()
             started = time.perf_counter()
             result = engine.generate(prompt_ids, params, drafter, k=k)
@@ -139,7 +143,7 @@ def build_systems(engine, specs: list[str], k: int, in_domain: str | None = None
         by_category = {c: ours(spec) for c, spec in chosen.items()}
         systems[system] = (True, lambda prompt_ids, n, category, by_category=by_category:
                            by_category.get(category, by_category["*"])(prompt_ids, n, category))
-    for spec in specs:
+    for spec in specs if temperature == 0 else ():  # HF's peers run greedy only
         drafter = engine.drafter(spec)
         # HF's assisted generation needs a transformers model as assistant (hf:, early-exit:).
         if isinstance(getattr(drafter, "model", None), PreTrainedModel):
@@ -152,7 +156,7 @@ def build_systems(engine, specs: list[str], k: int, in_domain: str | None = None
             assistant.generation_config.assistant_confidence_threshold = 0.0
             systems[report.HF_ASSISTED + spec] = (False, hf(
                 assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant"))
-    if any(spec.partition(":")[0] == "ngram" for spec in specs):
+    if temperature == 0 and any(spec.partition(":")[0] == "ngram" for spec in specs):
         systems[report.HF_PROMPT_LOOKUP] = (False, hf(prompt_lookup_num_tokens=k))
     return systems
 
@@ -198,8 +202,10 @@ def run_speed_bench(args: argparse.Namespace, settings) -> int:
     print(f"specpool bench: loading {args.target} and drafters {', '.join(specs)} ...", file=sys.stderr)
     engine = EmbeddedEngine(EngineConfig(home=settings.home, target=ModelConfig(args.target, args.device, args.dtype, args.cpu_linear),
                                          drafter_device=args.device, drafter_dtype=args.dtype))
-    systems = build_systems(engine, specs, args.k, args.in_domain, args.in_domain_lookup)
-    records, interrupted = measure(engine, systems, questions, args.max_new_tokens, out / "per_prompt.jsonl")
+    check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
+    systems = build_systems(engine, specs, args.k, args.in_domain, args.in_domain_lookup, args.temperature)
+    records, interrupted = measure(engine, systems, questions, args.max_new_tokens, out / "per_prompt.jsonl",
+                                   greedy=args.temperature == 0)
     if not records:
         print("specpool: interrupted before the first prompt finished", file=sys.stderr)
         return 130
@@ -215,7 +221,8 @@ def run_speed_bench(args: argparse.Namespace, settings) -> int:
     return 130 if interrupted else 0
 
 
-def measure(engine, systems: dict, questions: list[Question], max_new_tokens: int, raw_path: Path) -> tuple[list[dict], bool]:
+def measure(engine, systems: dict, questions: list[Question], max_new_tokens: int, raw_path: Path,
+            greedy: bool = True) -> tuple[list[dict], bool]:
     """Every system on every prompt, back to back, the order rotated per prompt; the raw records
     (also written to ``raw_path`` as they come) and whether Ctrl-C cut the run short."""
     from tqdm import tqdm
@@ -239,8 +246,10 @@ def measure(engine, systems: dict, questions: list[Question], max_new_tokens: in
                         for name in names[shift:] + names[:shift]}
                 target_ids = runs[report.TARGET].token_ids
                 for name in names:
+                    # Sampled outputs differ from target-only's draws by design (the same distribution,
+                    # other draws): the token check is greedy's only.
                     rec = make_record(i, question, name, systems[name][0], prompt_ids[i], runs[name],
-                                      None if name == report.TARGET else target_ids)
+                                      None if name == report.TARGET or not greedy else target_ids)
                     records.append(rec)
                     raw.write(json.dumps(rec) + "\n")
                 raw.flush()
@@ -270,7 +279,7 @@ def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, spe
         # per in-domain system: category -> the drafter it ran ("*": any other category)
         "in_domain_drafters": {name: in_domain_specs(*family) for name, family in
                                in_domain_systems(args.in_domain, args.in_domain_lookup).items()} or None,
-        "cpu_linear": args.cpu_linear, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+        "cpu_linear": args.cpu_linear, "k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "prompts_file": str(prompts_path), "n_prompts": n_done, "limit_per_category": args.limit_per_category,
         "categories": categories, "stop_token_ids": list(engine.stop_token_ids()),
         "hf_assisted": {"num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},
@@ -283,7 +292,8 @@ def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, spe
         {"machine": machine, "config": config, "lossless_mismatches": mismatches, "rows": rows}, indent=2) + "\n")
 
     plot_name = "speedup.png"
-    title = f"{args.target}, k={args.k}, greedy, {n_done} prompts, {args.max_new_tokens} new tokens"
+    decoding = "greedy" if args.temperature == 0 else f"T={args.temperature}"
+    title = f"{args.target}, k={args.k}, {decoding}, {n_done} prompts, {args.max_new_tokens} new tokens"
     report.plot_speedup(rows, out / plot_name, title)
     header = [
         ("machine", f"{machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} torch threads)"
@@ -291,7 +301,9 @@ def write_report(out: Path, args: argparse.Namespace, engine, systems: dict, spe
                     f"torch {machine['torch']}, transformers {machine['transformers']}"),
         ("target", f"`{args.target}` on {args.device} ({config['dtype']})"),
         ("drafters", ", ".join(f"`{s}`" for s in specs) + "; HF peers: " + (", ".join(f"`{n}`" for n in names if not systems[n][0]) or "none")),
-        ("decoding", f"greedy (temperature 0), k = {args.k}, max {args.max_new_tokens} new tokens, "
+        ("decoding", ("greedy (temperature 0)" if args.temperature == 0 else
+                      f"sampled, temperature {args.temperature} (seed = prompt length; no token check, no HF peers)")
+                     + f", k = {args.k}, max {args.max_new_tokens} new tokens, "
                      f"stop tokens {config['stop_token_ids']}; HF assisted drafts exactly k (constant, no confidence stop)"),
         ("prompts", f"{n_done} from `{prompts_path}` (first {args.limit_per_category} per category: "
                     + ", ".join(f"{c} {n}" for c, n in categories.items()) + ")" + (" — INTERRUPTED" if interrupted else "")),

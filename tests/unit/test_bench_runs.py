@@ -36,6 +36,19 @@ def test_side_by_side_bench(tmp_path, model_dirs, home, capsys):
     assert "specpool bench --prompts" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_side_by_side_bench_sampled(tmp_path, model_dirs, home):
+    """--temperature: our systems sample (seeded per prompt), HF's greedy peers are left out and no
+    token check is made (sampled outputs are other draws of the same distribution)."""
+    assert run_bench(bench_args(tmp_path, model_dirs, "--drafters", "ngram", "--temperature", "0.7"),
+                     SimpleNamespace(home=home)) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["config"]["systems"] == ["target", "ngram"]
+    assert results["config"]["temperature"] == 0.7
+    records = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
+    assert records and all(r["matches_target"] is None for r in records)
+    assert "temperature 0.7" in (tmp_path / "out" / "report.md").read_text()
+
+
 @pytest.mark.slow  # a whole run / a regret sweep: the fast lane skips it
 def test_policy_bench_and_its_rerender(tmp_path, model_dirs, home):
     args = bench_args(tmp_path, model_dirs, "--policies", "metasd-ucb,oracle", "--pool", "ngram,ngram:3")

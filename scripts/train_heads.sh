@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# How the shipped white-box heads (specpool/drafters/heads/) were trained, and how to train them on a GPU.
+#
+#   bash scripts/train_heads.sh ../shared/data            # CPU (what shipped: 2 cores, about 1 h in all)
+#   DEVICE=cuda TEACHER_BATCH=256 PROMPTS_SCALE=20 STEPS=20000 bash scripts/train_heads.sh ../shared/data
+#
+# 1. Teacher data: the target answers each domain's prompts greedily (128 new tokens) and the same
+#    generate call records its features (final hidden states, 256 prompt positions before each
+#    answer) into $SPECPOOL_HOME/zoo/teacher/<key>, shared by every head. On a GPU raise the prompt
+#    counts (PROMPTS_SCALE): every prompt ../shared/data has is the advice, the CPU could
+#    afford ~1,650 in 30 minutes.
+# 2. The general head on every domain's answers (recipe eagle: teacher-forced, feature regression +
+#    token cross-entropy), then a second cosine cycle started from the first (--init-from).
+# 3. Each domain head fine-tunes the general head on its domain's answers; held-out acceptance
+#    (tokens per round at k = 5) picks the best checked weights of every run.
+# Everything is seeded and resumable (--resume); each head folder appears atomically.
+set -eu
+DATA=${1:?usage: train_heads.sh DATA_ROOT}
+OUT=${OUT:-specpool/drafters/heads}
+DEVICE=${DEVICE:-cpu}
+SCALE=${PROMPTS_SCALE:-1}
+STEPS=${STEPS:-1100}
+COMMON="--arch eagle --device $DEVICE --max-new-tokens 128 --seed 0"
+
+# 1. teacher answers with features (a domain's prompts: the first N of its seeded shuffle)
+for spec in chat:427 code:500 math:250 summarization_qa:200 translation:200; do
+  domain=${spec%%:*}; n=$(( ${spec##*:} * SCALE ))
+  specpool zoo train $COMMON --domain "$domain" --data-root "$DATA" --max-prompts "$n" \
+    --teacher-batch "${TEACHER_BATCH:-48}" --teacher-only
+done
+
+# 2. the general head: every answered prompt (a tiny teacher time limit answers nothing new)
+TRAIN="--teacher-time-limit 0.005 --batch-size 8 --context-tokens 128"
+specpool zoo train $COMMON --domain general --data-root "$DATA" --max-prompts 100000 $TRAIN \
+  --steps "$STEPS" --lr 1.5e-3 --warmup 40 --save-every 150 --out /tmp/heads/general-1
+specpool zoo train $COMMON --domain general --data-root "$DATA" --max-prompts 100000 $TRAIN \
+  --steps $(( STEPS * 2 )) --lr 1e-3 --warmup 20 --save-every 250 --init-from /tmp/heads/general-1 --out "$OUT/general"
+
+# 3. domain heads, fine-tuned from the general one
+for domain in code math translation summarization_qa chat; do
+  specpool zoo train $COMMON --domain "$domain" --data-root "$DATA" --max-prompts 100000 $TRAIN \
+    --steps "${DOMAIN_STEPS:-300}" --lr 5e-4 --warmup 20 --save-every 50 --init-from "$OUT/general" --out "$OUT/$domain"
+done
+specpool zoo manifest   # hashes and reference acceptance of everything shipped
