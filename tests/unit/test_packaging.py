@@ -47,6 +47,8 @@ def test_the_wheel_holds_only_the_specpool_package(wheel: Path):
     # The shipped zoo travels inside; the benchmarks, their results and the tests do not.
     assert "specpool/drafters/zoo/manifest.json" in names
     assert any(n.startswith("specpool/drafters/zoo/code/") and n.endswith(".safetensors") for n in names)
+    assert "specpool/drafters/heads/manifest.json" in names  # the white-box heads too
+    assert any(n.startswith("specpool/drafters/heads/general/") and n.endswith(".safetensors") for n in names)
     assert "specpool/v1/specpool_pb2_grpc.py" in names
     assert not [n for n in names if "/bench/" in n or n.startswith(("bench/", "tests/", "scripts/"))]
 
