@@ -272,7 +272,7 @@ def test_unroll_of_one_step_is_the_eagle_loss(trained, teacher, head_home, model
         one, _ = head_loss(head, batch, "unroll", 1)
         three, stats = head_loss(head, batch, "unroll", 3)
     assert float(one) == pytest.approx(float(eagle)) and float(three) != pytest.approx(float(eagle))
-    assert set(stats) == {"agree0", "agree1", "agree2"}
+    assert set(stats) == {f"{name}{j}" for name in ("agree", "ce", "regression") for j in range(3)}  # one entry per unrolled step
     # Step 1 of the unroll: head position t reads x_{t+1} and step 0's guess of f_t (made at t-1).
     with torch.no_grad():
         two, _ = head_loss(head, batch, "unroll", 2)
