@@ -43,8 +43,8 @@ from specpool.drafters.eagle_model import EagleConfig, EagleHead, init_from_targ
 from specpool.learning.zoo_data import collect_prompts
 from specpool.learning.zoo_train import (
     TrainConfig, TrainingError, TrainState, _check_train_config, _lr, batch_indices, build_vocab, check_output_dir,
-    distillation_loss, export_drafter, generate_teacher, load_checkpoint, prompt_hash, save_checkpoint, split_heldout,
-    teacher_index, teacher_store_key,
+    distillation_loss, export_drafter, generate_teacher, load_checkpoint, prompt_hash, read_teacher_shards, save_checkpoint,
+    split_heldout, teacher_index, teacher_store_key, zoo_config_for,
 )
 
 RECIPES = ("eagle", "unroll")
@@ -79,16 +79,8 @@ class FeatureSequence:
 
 def load_feature_teacher(prompts: list[str], index: dict[int, tuple[Path, int]]) -> list[FeatureSequence]:
     """The teacher sequences of ``prompts`` with their features, read shard by shard."""
-    wanted: dict[Path, list[int]] = {}
-    for p in prompts:
-        shard, row = index[prompt_hash(p)]
-        wanted.setdefault(shard, []).append(row)
     by_key: dict[tuple[Path, int], FeatureSequence] = {}
-    for shard, rows in wanted.items():
-        try:
-            data = load_file(str(shard))
-        except Exception as exc:  # noqa: BLE001
-            raise TrainingError(f"teacher shard {shard} is unreadable ({exc}); delete it and rerun to regenerate") from exc
+    for shard, data, rows in read_teacher_shards(prompts, index):
         if "features" not in data:
             raise TrainingError(f"teacher shard {shard} holds no features (a zoo store?); delete it and rerun")
         offsets, starts = data["offsets"].tolist(), data["answer_starts"].tolist()
@@ -285,17 +277,10 @@ def train_head_steps(head: EagleHead, sequences: list[FeatureSequence], heldout:
 
 
 def head_config_for(target_config, config: TrainConfig, options: HeadOptions) -> EagleConfig:
-    rope = getattr(target_config, "rope_parameters", None) or {}
-    return EagleConfig(
-        hidden_size=target_config.hidden_size,
-        num_heads=target_config.num_attention_heads,
-        num_kv_heads=getattr(target_config, "num_key_value_heads", target_config.num_attention_heads),
-        intermediate_size=min(options.intermediate_size, target_config.intermediate_size),
-        reduced_vocab=min(config.reduced_vocab, target_config.vocab_size),
-        rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
-        rms_eps=float(target_config.rms_norm_eps),
-        max_positions=int(target_config.max_position_embeddings),
-    )
+    """A head shape that plugs into this target: the zoo's (width, heads, RoPE, reduced vocabulary)
+    with the head's MLP width and one block."""
+    shape = zoo_config_for(target_config, replace(config, intermediate_size=options.intermediate_size)).to_dict()
+    return EagleConfig(**{k: v for k, v in shape.items() if k in EagleConfig.__dataclass_fields__ and k != "num_layers"})
 
 
 def head_card(metadata: dict) -> str:

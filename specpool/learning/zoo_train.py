@@ -235,18 +235,25 @@ class Sequence:
     label_probs: torch.Tensor  # (A, K)
 
 
-def load_teacher(prompts: list[str], index: dict[int, tuple[Path, int]]) -> list[Sequence]:
-    """The teacher sequences of ``prompts``, in order, read from the store's shards."""
+def read_teacher_shards(prompts: list[str], index: dict[int, tuple[Path, int]]):
+    """(shard, its tensors, the rows of ``prompts`` in it) for each shard ``prompts`` need, each
+    shard read once (the zoo's and the white-box heads' loaders share this)."""
     wanted: dict[Path, list[int]] = {}
     for p in prompts:
         shard, row = index[prompt_hash(p)]
         wanted.setdefault(shard, []).append(row)
-    by_key: dict[tuple[Path, int], Sequence] = {}
     for shard, rows in wanted.items():
         try:
             data = load_file(str(shard))
         except Exception as exc:  # noqa: BLE001
             raise TrainingError(f"teacher shard {shard} is unreadable ({exc}); delete it and rerun to regenerate") from exc
+        yield shard, data, rows
+
+
+def load_teacher(prompts: list[str], index: dict[int, tuple[Path, int]]) -> list[Sequence]:
+    """The teacher sequences of ``prompts``, in order, read from the store's shards."""
+    by_key: dict[tuple[Path, int], Sequence] = {}
+    for shard, data, rows in read_teacher_shards(prompts, index):
         offsets, starts = data["offsets"].tolist(), data["answer_starts"].tolist()
         label_offsets = [0]
         for n, start in enumerate(starts):
