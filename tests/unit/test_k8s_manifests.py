@@ -440,3 +440,98 @@ def test_dockerfile_installs_every_package_and_converts_the_target():
     assert "SPECPOOL_HOME=/home/ray/.cache/specpool" in dockerfile
     # The pods read the converted target from the same folder.
     assert "/home/ray/.cache/specpool" in (K8S / "rayservice.yaml").read_text()
+
+
+# --- metrics scraping and the HTTP API ----------------------------------------------------------
+# The labels KubeRay puts on each kind of Ray pod (besides the template's): ray.io/node-type.
+NODE_TYPE = {"head": "head"}  # owner suffix -> node type; every worker group is "worker"
+
+
+def _ray_pod_templates() -> list[tuple[str, dict, dict]]:
+    """(owner, pod template, rayStartParams) of every Ray node group."""
+    out = []
+    for doc in documents("RayService"):
+        cluster = doc["spec"]["rayClusterConfig"]
+        name = doc["metadata"]["name"]
+        out.append((f"RayService/{name}:head", cluster["headGroupSpec"]["template"], cluster["headGroupSpec"].get("rayStartParams", {})))
+        for group in cluster["workerGroupSpecs"]:
+            out.append((f"RayService/{name}:{group['groupName']}", group["template"], group.get("rayStartParams", {})))
+    return out
+
+
+def _pod_labels(owner: str, template: dict) -> dict:
+    """The labels a pod of ``template`` carries: the template's, plus KubeRay's node type for Ray pods."""
+    labels = dict(template["metadata"].get("labels", {}))
+    if owner.startswith("RayService/"):
+        labels["ray.io/node-type"] = NODE_TYPE.get(owner.rsplit(":", 1)[1], "worker")
+    return labels
+
+
+def label_selector_matches(selector: dict, labels: dict) -> bool:
+    """Kubernetes LabelSelector semantics (matchLabels AND every matchExpression)."""
+    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        if not ok:
+            return False
+    return bool(selector.get("matchLabels") or selector.get("matchExpressions"))  # {} would select every pod
+
+
+def test_label_selector_matching_can_fail():
+    selector = {"matchLabels": {"app.kubernetes.io/name": "specpool"},
+                "matchExpressions": [{"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}]}
+    assert label_selector_matches(selector, {"app.kubernetes.io/name": "specpool", "ray.io/node-type": "worker"})
+    assert not label_selector_matches(selector, {"app.kubernetes.io/name": "specpool"})  # Redis: no node type
+    assert not label_selector_matches(selector, {"app.kubernetes.io/name": "other", "ray.io/node-type": "head"})
+    assert not label_selector_matches({}, {"app.kubernetes.io/name": "specpool"})
+
+
+def _metrics_port(template: dict) -> int | None:
+    ports = [p for c in template["spec"]["containers"] for p in c.get("ports", []) if p.get("name") == "metrics"]
+    return ports[0]["containerPort"] if len(ports) == 1 else None
+
+
+def test_every_ray_pod_names_its_metrics_port_and_has_scrape_annotations():
+    """Ray's metrics agent serves the ray_specpool_* series on every node at metrics-export-port."""
+    templates = _ray_pod_templates()
+    assert len(templates) == 3, [owner for owner, _, _ in templates]
+    for owner, template, start_params in templates:
+        port = _metrics_port(template)
+        assert port is not None, f"{owner}: no single container port named 'metrics'"
+        assert int(start_params.get("metrics-export-port", 8080)) == port, f"{owner}: metrics-export-port != container port {port}"
+        annotations = template["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", owner
+        assert annotations.get("prometheus.io/port") == str(port), owner
+        assert annotations.get("prometheus.io/path") == "/metrics", owner
+
+
+def test_pod_monitor_scrapes_every_ray_pod_and_nothing_else():
+    (monitor,) = documents("PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]
+    ray_owners = {owner for owner, _, _ in _ray_pod_templates()}
+    for owner, template in pod_templates():
+        picked = label_selector_matches(selector, _pod_labels(owner, template))
+        assert picked == (owner in ray_owners), f"PodMonitor {'selects' if picked else 'misses'} {owner}"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint.get("path", "/metrics") == "/metrics"
+    for owner, template, _ in _ray_pod_templates():
+        assert _container_port(template, endpoint["port"]) == _metrics_port(template), f"{owner}: no port {endpoint['port']!r}"
+
+
+def test_http_service_targets_the_serve_http_port():
+    (service,) = [s for s in documents("Service") if s["metadata"]["name"] == "specpool-http"]
+    head = ray_service()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert selects(service["spec"]["selector"], head["metadata"]["labels"]), "specpool-http does not select the Ray head"
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 8000
+    options = serve_config()["http_options"]
+    assert options["host"] == "0.0.0.0", "Serve's HTTP proxy must listen beyond the pod's loopback"
+    target = _container_port(head, port["targetPort"])
+    assert target == options["port"] == 8000, f"specpool-http -> head port {target}, Serve's HTTP proxy on {options['port']}"
+    for owner, template in pod_templates():
+        if not owner.endswith(":head"):
+            assert not selects(service["spec"]["selector"], template["metadata"].get("labels", {})), owner
