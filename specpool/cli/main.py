@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specpool.cli.learning import run_learner_command
 
             return run_learner_command(args, settings)
-        if args.command in ("serve", "client", "bench-served"):
+        if args.command in ("serve", "client", "bench-served", "keys"):
             from specpool.cli.served import run_served_command
 
             return run_served_command(args, settings)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -26,7 +27,7 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 def add_served_commands(commands) -> None:
     """Add ``serve``, ``client`` and ``bench-served`` to the ``specpool`` subcommands."""
-    from specpool.services.serve_config import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT
+    from specpool.services.serve_config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 
     serve = commands.add_parser("serve", help="serve the gRPC API on a local Ray Serve (served mode)")
     serve.add_argument("--config", default=None,
@@ -35,6 +36,12 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--redis-url", default=None,
                        help="Redis for session state (default: the config's, else redis://127.0.0.1:6379/0)")
     serve.add_argument("--port", type=int, default=None, help=f"gRPC port (default: the config's, else {DEFAULT_GRPC_PORT})")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help=f"port of the OpenAI-compatible HTTP API, http://127.0.0.1:PORT/v1 (default: the config's, else {DEFAULT_HTTP_PORT})")
+    serve.add_argument("--no-http", action="store_true", help="serve gRPC only: the HTTP API answers 404")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="API keys -> tenants (SHA-256 hashes; `specpool keys create`): every gRPC and HTTP request then needs "
+                            "'authorization: Bearer KEY' (default: the config's api_keys_file, else $SPECPOOL_API_KEYS, else no keys)")
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
     serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
@@ -54,7 +61,9 @@ def add_served_commands(commands) -> None:
     gen.add_argument("--json", action="store_true", help="print JSON: one object (with --stream: one per message)")
     gen.add_argument("--policy", default="", help="drafter-choice policy (default: the server's), e.g. metasd-ucb, fixed:code, thompson+warm")
     gen.add_argument("--session", default="", help="session to continue (default: a new one; its id is printed)")
-    gen.add_argument("--tenant", default="", help="tenant the request is accounted to (default: default)")
+    gen.add_argument("--tenant", default="", help="tenant the request is accounted to (default: the API key's, else default)")
+    gen.add_argument("--api-key", default=None,
+                     help="API key, sent as 'authorization: Bearer KEY' (default: $SPECPOOL_API_KEY, if set)")
     gen.add_argument("-k", type=int, default=0, help=f"draft length 1..{MAX_DRAFT_LENGTH} (default: the server's)")
     gen.add_argument("--max-new-tokens", type=int, default=0, help="new tokens (default: the server's, 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -64,6 +73,16 @@ def add_served_commands(commands) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends right after it")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds; past it the server stops the request")
+
+    keys = commands.add_parser("keys", help="API keys of a served instance: each maps to a tenant (the file keeps hashes only)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, parser_class=commands._parser_class)
+    create = key_commands.add_parser("create", help="make a key for a tenant, add its hash to the key file, print the key once")
+    create.add_argument("--tenant", required=True, help="the tenant every request with this key runs as")
+    create.add_argument("--file", required=True, help="the key file (created if missing); give it to `specpool serve --api-keys`")
+    create.add_argument("--admin", action="store_true", help="the key may act for any tenant (operations that span tenants)")
+    create.add_argument("--name", default="", help="a label for people (which client holds the key)")
+    listing = key_commands.add_parser("list", help="the tenants, roles and labels of a key file (no keys: they are not stored)")
+    listing.add_argument("--file", required=True)
 
     # Its options come from bench/served.py of the checkout (specpool/cli/bench_loader.py).
     add_bench_command(commands, "bench-served", command="bench-served",
@@ -77,6 +96,8 @@ def run_served_command(args: argparse.Namespace, settings) -> int | None:
         return cmd_serve(args, settings)
     if args.command == "client" and args.client_command == "generate":
         return cmd_client_generate(args)
+    if args.command == "keys":
+        return cmd_keys(args)
     if args.command == "bench-served":
         return load_bench("served", "bench-served").run_bench_served(args, settings)
     return None
@@ -106,10 +127,18 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
     if args.port is not None:
         check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")
         config.setdefault("grpc_options", {})["port"] = args.port
-    if args.redis_url is not None:
-        for app in config.get("applications") or []:
-            if isinstance(app, dict) and app.get("import_path") == "specpool.services.serve_app:build_router_app":
-                app.setdefault("args", {})["redis_url"] = args.redis_url
+    if getattr(args, "http_port", None) is not None:
+        check(1 <= args.http_port <= 65535, f"--http-port must be in 1..65535, got {args.http_port}")
+        config.setdefault("http_options", {})["port"] = args.http_port
+    for app in config.get("applications") or []:
+        if isinstance(app, dict) and app.get("import_path") == "specpool.services.serve_app:build_router_app":
+            router_args = app.setdefault("args", {})
+            if args.redis_url is not None:
+                router_args["redis_url"] = args.redis_url
+            if getattr(args, "no_http", False):
+                router_args["http_api"] = False
+            if getattr(args, "api_keys", None) is not None:
+                router_args["api_keys_file"] = str(Path(args.api_keys).resolve())
     return config, source
 
 
@@ -141,6 +170,10 @@ def cmd_serve(args: argparse.Namespace, settings) -> int:
     try:
         local = start_local(plan, metrics_port=args.metrics_port or None, progress=say)
         print(f"specpool: serving specpool.v1.SpecPool on {local.address} (gRPC; health checking and reflection too)", flush=True)
+        if local.http_url:
+            print(f"  OpenAI-compatible HTTP API: {local.http_url} (chat/completions, completions, models; /health)", flush=True)
+        keys = "API keys from " + (router.api_keys_file or "$SPECPOOL_API_KEYS") if _keys_on(router) else "no API keys (open)"
+        print(f"  {keys}", flush=True)
         print(f"  drafters {', '.join(router.pool)}; default policy {router.policy}, k {router.k}; "
               f"session state in {redact_url(router.redis_url)}", flush=True)
         if local.metrics_url:
@@ -156,6 +189,26 @@ def cmd_serve(args: argparse.Namespace, settings) -> int:
         signal.signal(signal.SIGTERM, previous)
     say("stopped")
     return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from specpool.services.auth import add_key, load_keys_file
+
+    if args.keys_command == "create":
+        key = add_key(args.file, args.tenant, "admin" if args.admin else "user", args.name)
+        print(key)
+        print(f"specpool: key for tenant {args.tenant!r}{' (admin)' if args.admin else ''} added to {args.file}; "
+              "it is shown only now (the file keeps its SHA-256)", file=sys.stderr)
+        return 0
+    for entry in load_keys_file(args.file).entries:
+        print(f"{entry.tenant}\t{entry.role}\t{entry.name or '-'}\tsha256:{entry.sha256[:12]}...")
+    return 0
+
+
+def _keys_on(router) -> bool:
+    from specpool.services.auth import load_api_keys
+
+    return load_api_keys(router.api_keys_file).enabled
 
 
 # -- specpool client generate -------------------------------------------------------------------------
@@ -177,8 +230,9 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     fields = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, policy=args.policy, k=args.k,
                   session_id=args.session, tenant=args.tenant, timeout=args.timeout)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECPOOL_API_KEY") or None
     try:
-        with SpecPoolClient(args.address) as client:
+        with SpecPoolClient(args.address, api_key=api_key) as client:
             if not args.stream:
                 answer = client.generate(args.prompt, **fields)
                 if args.json:

@@ -59,6 +59,24 @@ class FailedPrecondition(SpecpoolError):
     code = "FAILED_PRECONDITION"
 
 
+class Unauthenticated(SpecpoolError):
+    """The request carries no API key, or one the server does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(SpecpoolError):
+    """The caller's key is valid but may not do this (another tenant's request, an admin operation)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class ResourceExhausted(SpecpoolError):
+    """The server or the tenant is at a limit; the message says when to retry."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class IncompatibleModels(InvalidArgument):
     """Drafter and target do not share a tokenizer, so token ids would mean different things."""
 

@@ -9,7 +9,7 @@
             print(chunk.text, end="", flush=True)
 
 Failures raise the domain errors of ``specpool.core.errors`` (``InvalidArgument``, ``NotFound``,
-``DeadlineExceeded``, ``Cancelled``, ``SessionBusy``) or ``RemoteError`` for any other status;
+``DeadlineExceeded``, ``Cancelled``, ``SessionBusy``, ``Unauthenticated``, ``PermissionDenied``, ...) or ``RemoteError`` for any other status;
 each carries the gRPC status name in ``code`` and the server's one-line message. Stopping a
 ``generate_stream`` iteration early (``break``, ``close()``) cancels the call, and the server stops
 the request and frees its caches.
@@ -23,7 +23,8 @@ from typing import Iterator, Sequence
 import grpc
 
 from specpool.core.errors import (
-    Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SessionBusy, SpecpoolError,
+    Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+    SessionBusy, SpecpoolError, Unauthenticated,
 )
 from specpool.services import api as convert
 from specpool.services.api import Stats
@@ -37,6 +38,9 @@ _ERRORS: dict[str, type[SpecpoolError]] = {
     "CANCELLED": Cancelled,
     "ABORTED": SessionBusy,
     "FAILED_PRECONDITION": FailedPrecondition,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
 }
 
 
@@ -96,10 +100,12 @@ class SpecPoolClient:
     """Blocking client over one gRPC channel; thread-safe (calls may run concurrently)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tenant: str = "",
-                 options: Sequence[tuple[str, object]] = ()):
+                 options: Sequence[tuple[str, object]] = (), api_key: str | None = None):
         self.address = address
         self.timeout = timeout  # default per-call deadline in seconds (None: no deadline)
-        self.tenant = tenant  # default tenant ("" = the server's "default")
+        self.tenant = tenant  # default tenant ("" = the API key's, or the server's "default")
+        # Sent on every call when set; a server with API keys needs it (specpool/services/auth.py).
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.insecure_channel(address, options=list(options))
         self._stub = specpool_pb2_grpc.SpecPoolStub(self._channel)
 
@@ -114,7 +120,8 @@ class SpecPoolClient:
         request = self._request(prompt, chat, raw, max_new_tokens, temperature, top_p, top_k, seed, stop,
                                 stop_token_ids, policy, k, session_id, tenant)
         try:
-            response = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+            response = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout,
+                                           metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
         return Generation(response.text, list(response.token_ids), convert.finish_reason_name(response.finish_reason),
@@ -129,7 +136,8 @@ class SpecPoolClient:
         """The answer as it is accepted, round by round; the last chunk has finish_reason and stats."""
         request = self._request(prompt, chat, raw, max_new_tokens, temperature, top_p, top_k, seed, stop,
                                 stop_token_ids, policy, k, session_id, tenant)
-        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
+                                        metadata=self._metadata)
         try:
             for msg in call:
                 last = msg.finish_reason != 0
