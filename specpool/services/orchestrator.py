@@ -164,6 +164,7 @@ class Prepared:
     stop: tuple[str, ...] = ()
     feedback: FeedbackCallback | None = None  # online learning: called after every drafted round
     feedback_top_k: int = 0  # entries of the target's p per position those rounds ask for
+    endpoint: str = "embedded"  # which API it came through (grpc, http): a metrics label
 
 
 @dataclass(frozen=True)
@@ -328,7 +329,7 @@ class Orchestrator:
         finally:
             with self._active_lock:
                 self._active.discard(slot)
-            self.metrics.request(prepared.tenant, status)
+            self.metrics.request(prepared.tenant, status, prepared.endpoint)
 
     def _run(self, prepared: Prepared, on_chunk, should_stop, on_round) -> Outcome:
         text = IncrementalDetokenizer(self.decode, prepared.stop)
@@ -342,7 +343,7 @@ class Orchestrator:
             return text.stopped or (should_stop is not None and should_stop())
 
         def record_round(record: RoundRecord) -> None:
-            self.metrics.round(prepared.tenant, record)
+            self.metrics.round(prepared.tenant, record, prepared.endpoint)
             if on_round is not None:
                 on_round(record)
 

@@ -121,7 +121,7 @@ def test_cancel_stops_the_loop_and_releases_every_cache(parts):
     assert "gone" not in verifier.caches.sessions()
     assert drafters["noisy"].released == ["gone"]
     assert core.active_sessions() == []
-    assert metrics.registry.get_sample_value("specpool_requests_total", {"tenant": "acme", "status": "CANCELLED"}) == 1
+    assert metrics.registry.get_sample_value("specpool_requests_total", {"tenant": "acme", "endpoint": "embedded", "status": "CANCELLED"}) == 1
 
 
 def test_one_request_per_session(parts):
@@ -172,13 +172,13 @@ def test_metrics_count_rounds_and_tokens_per_drafter(parts):
     core, _, _, metrics = parts
     outcome = core.run(core.prepare(spec(session_id="m1", tenant="t1", policy="fixed:ngram")))
     value = metrics.registry.get_sample_value
-    rounds = value("specpool_rounds_total", {"tenant": "t1", "drafter": "ngram"}) or 0
-    rounds_none = value("specpool_rounds_total", {"tenant": "t1", "drafter": "none"}) or 0
+    rounds = value("specpool_rounds_total", {"tenant": "t1", "drafter": "ngram", "endpoint": "embedded"}) or 0
+    rounds_none = value("specpool_rounds_total", {"tenant": "t1", "drafter": "none", "endpoint": "embedded"}) or 0
     assert rounds + rounds_none == outcome.stats.rounds
-    emitted = sum(value("specpool_emitted_tokens_total", {"tenant": "t1", "drafter": d}) or 0 for d in ("ngram", "none"))
+    emitted = sum(value("specpool_emitted_tokens_total", {"tenant": "t1", "drafter": d, "endpoint": "embedded"}) or 0 for d in ("ngram", "none"))
     assert emitted == outcome.stats.new_tokens
-    assert value("specpool_requests_total", {"tenant": "t1", "status": "OK"}) == 1
-    assert value("specpool_round_seconds_count", {"tenant": "t1", "drafter": "ngram", "part": "verify"}) == rounds
+    assert value("specpool_requests_total", {"tenant": "t1", "endpoint": "embedded", "status": "OK"}) == 1
+    assert value("specpool_round_seconds_count", {"tenant": "t1", "drafter": "ngram", "endpoint": "embedded", "part": "verify"}) == rounds
 
 
 def test_feedback_sends_every_drafted_round_and_changes_nothing_else(parts):

@@ -1,0 +1,146 @@
+"""The router's one async request path (specpool/services/runner.py) over a real Orchestrator on the
+tiny models: events in order and adding up to the answer, request metrics by endpoint, and a
+consumer that goes away (a gRPC cancel, an HTTP disconnect) stopping the loop and freeing caches."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specpool.core.errors import InvalidArgument, Unauthenticated
+from specpool.drafters.hf_model import HFModelDrafter
+from specpool.drafters.ngram import NGramDrafter
+from specpool.router.session_store import InMemorySessionStore
+from specpool.services.api import GenerationSpec
+from specpool.services.detokenize import Chunk
+from specpool.services.metrics import PrometheusMetrics
+from specpool.services.orchestrator import ModelInfo, Orchestrator, OrchestratorSettings, Outcome, Prepared, ServedDrafters
+from specpool.services.runner import RequestRunner
+from specpool.target.verifier import TargetVerifier
+
+PROMPT = "the cat sat on the mat and the dog sat on the mat"
+
+
+@pytest.fixture
+def setup(target_lm, noisy_lm):
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    drafters = {"ngram": NGramDrafter(), "noisy": HFModelDrafter("noisy", *noisy_lm)}
+    info = ModelInfo("tiny", (tokenizer.eos_token_id,), verifier.context_window, verifier.tokenizer_fingerprint)
+    metrics = PrometheusMetrics()
+    core = Orchestrator(tokenizer, info, ServedDrafters(drafters), verifier, InMemorySessionStore(),
+                        OrchestratorSettings(k=4, max_new_tokens=24, keep_caches=False), metrics)
+    executor = ThreadPoolExecutor(4)
+    yield RequestRunner(core, executor), verifier, metrics
+    executor.shutdown(wait=True)
+
+
+def spec(**kw) -> GenerationSpec:
+    return GenerationSpec(**{"input_kind": "prompt", "text": PROMPT, "max_new_tokens": 20, "policy": "fixed:noisy", **kw})
+
+
+async def collect(runner: RequestRunner, s: GenerationSpec, endpoint="http", tenant="acme") -> list:
+    return [event async for event in runner.run(s, endpoint, tenant)]
+
+
+def sample(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0
+
+
+def test_events_come_in_order_and_add_up_to_the_answer(setup):
+    runner, _, metrics = setup
+    events = asyncio.run(collect(runner, spec(session_id="s1")))
+    assert isinstance(events[0], Prepared) and events[0].endpoint == "http" and events[0].tenant == "acme"
+    assert isinstance(events[-1], Outcome)
+    chunks = events[1:-1]
+    assert chunks and all(isinstance(c, Chunk) for c in chunks)
+    outcome = events[-1]
+    assert "".join(c.text for c in chunks) + outcome.tail_text == outcome.text
+    assert [t for c in chunks for t in c.token_ids] == outcome.token_ids
+    # the same tokens as the orchestrator alone (greedy)
+    direct = runner.core.run(runner.core.prepare(spec(session_id="s2")))
+    assert direct.token_ids == outcome.token_ids
+
+
+def test_the_authenticated_tenant_replaces_the_one_the_request_names(setup):
+    runner, *_ = setup
+    events = asyncio.run(collect(runner, spec(session_id="t1", tenant="someone-else"), tenant="acme"))
+    assert events[0].tenant == "acme"
+
+
+def test_request_metrics_by_endpoint(setup):
+    runner, _, metrics = setup
+    asyncio.run(collect(runner, spec(session_id="m1"), endpoint="http"))
+    asyncio.run(collect(runner, spec(session_id="m2"), endpoint="grpc"))
+    for endpoint in ("http", "grpc"):
+        assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint=endpoint, status="OK") == 1
+        assert sample(metrics, "specpool_requests_in_flight", endpoint=endpoint) == 0
+        for name in ("time_to_first_token", "request", "queue", "inter_token"):
+            assert sample(metrics, f"specpool_{name}_seconds_count", endpoint=endpoint) == 1, name
+        ttft = sample(metrics, "specpool_time_to_first_token_seconds_sum", endpoint=endpoint)
+        total = sample(metrics, "specpool_request_seconds_sum", endpoint=endpoint)
+        queue = sample(metrics, "specpool_queue_seconds_sum", endpoint=endpoint)
+        assert 0 <= queue <= ttft <= total
+        assert sample(metrics, "specpool_rounds_total", tenant="acme", drafter="noisy", endpoint=endpoint) > 0
+
+
+def test_in_flight_counts_a_running_request(setup):
+    runner, _, metrics = setup
+
+    async def main():
+        seen = []
+        async for event in runner.run(spec(session_id="f1"), "http", "acme"):
+            seen.append(sample(metrics, "specpool_requests_in_flight", endpoint="http"))
+        return seen
+
+    assert set(asyncio.run(main())) == {1}
+    assert sample(metrics, "specpool_requests_in_flight", endpoint="http") == 0
+
+
+def test_a_consumer_that_stops_early_stops_the_loop_and_frees_the_caches(setup):
+    runner, verifier, metrics = setup
+
+    async def main():
+        async with contextlib.aclosing(runner.run(spec(session_id="gone", max_new_tokens=200), "http", "acme")) as events:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    return event  # leaves the loop: aclosing closes the generator, as a disconnect does
+
+    first = asyncio.run(main())
+    assert first.token_ids
+    assert "gone" not in verifier.caches.sessions()
+    assert runner.core.active_sessions() == []
+    assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="http", status="CANCELLED") == 1
+    assert sample(metrics, "specpool_requests_in_flight", endpoint="http") == 0
+
+
+def test_a_cancelled_unary_call_stops_the_loop_and_frees_the_caches(setup):
+    runner, verifier, metrics = setup
+
+    async def main():
+        task = asyncio.create_task(runner.generate(spec(session_id="cut", max_new_tokens=200), "grpc", "acme"))
+        while "cut" not in verifier.caches.sessions():  # the first round ran
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert "cut" not in verifier.caches.sessions()
+    assert runner.core.active_sessions() == []
+    assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="grpc", status="CANCELLED") == 1
+
+
+def test_refusals_are_counted_by_status(setup):
+    runner, _, metrics = setup
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        asyncio.run(collect(runner, spec(session_id="big", max_new_tokens=10**6)))
+    assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="http", status="INVALID_ARGUMENT") == 1
+    runner.refused("grpc", Unauthenticated("unknown API key"))
+    assert sample(metrics, "specpool_requests_total", tenant="-", endpoint="grpc", status="UNAUTHENTICATED") == 1
+    assert sample(metrics, "specpool_requests_in_flight", endpoint="http") == 0
+    assert sample(metrics, "specpool_request_seconds_count", endpoint="http") == 0  # latencies: answered requests only
+
