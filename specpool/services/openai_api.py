@@ -136,7 +136,7 @@ _INERT = {
     "reasoning_effort": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "store": lambda v: v is None or v is False,  # OpenAI keeps stored completions; specpool keeps nothing
-    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "service_tier": lambda v: v is None or (isinstance(v, str) and v in ("auto", "default")),
 }
 _COMPLETION_INERT = {
     "logprobs": lambda v: v is None,  # an int here: the top log-probabilities per token
@@ -336,7 +336,7 @@ def parse_chat(body: Any, served_model: str) -> tuple[GenerationSpec, ResponseOp
                 raise _bad(f"{where}.{name} is not supported by specpool (messages carry role and content only)",
                            f"{where}.{name}", "unsupported_parameter")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)} (tool messages are not supported)",
                        f"{where}.role")
         if "content" not in m:
