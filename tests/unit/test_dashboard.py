@@ -272,7 +272,7 @@ def test_every_exported_family_has_a_panel():
     ("histogram_quantile(0.9, sum by (endpoint) (rate(ray_specpool_queue_seconds_bucket[5m])))", "must keep le"),
     ("histogram_quantile(0.9, sum by (le) (rate(ray_specpool_queue_seconds_sum[5m])))", "other than _bucket"),
     ("sum(rat(ray_specpool_rounds_total[5m]))", "unknown PromQL function rat()"),
-    ('sum(rate(ray_specpool_rounds_total{drafter=~"$drafter"}[5m]))', "$drafter is not a template variable"),
+    ('sum(rate(ray_specpool_rounds_total{drafter=~"$model"}[5m]))', "$model is not a template variable"),
     ('sum(rate({__name__="ray_specpool_rounds_total"}[5m]))', "without a metric name"),
 ])
 def test_the_checker_rejects_a_bad_expression(expr, complaint):
