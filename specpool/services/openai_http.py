@@ -90,6 +90,9 @@ def build_openai_app(runner: RequestRunner, keys: ApiKeys, health: Callable[[], 
         """(spec, options, tenant), or the refusal raised (and counted)."""
         try:
             key = authenticate(request)
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before reading it
+                raise OpenAIError(413, f"the request body has {declared} bytes; at most {MAX_BODY_BYTES}")
             raw = await request.body()
             if len(raw) > MAX_BODY_BYTES:
                 raise OpenAIError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES}")
@@ -118,12 +121,11 @@ def build_openai_app(runner: RequestRunner, keys: ApiKeys, health: Callable[[], 
         headers = {SESSION_HEADER: prepared.session_id}
         if options.stream:
             return EventSourceResponse(_sse(events, prepared, options), headers=headers, ping=PING_SECONDS, sep=SSE_SEPARATOR)
+        outcome = None
         try:
-            async with contextlib.aclosing(events):
-                outcome = None
-                async for event in events:
-                    if isinstance(event, Outcome):
-                        outcome = event
+            async for event in _pumped(events):  # closed however this handler ends (see _pumped)
+                if isinstance(event, Outcome):
+                    outcome = event
         except Exception as exc:  # noqa: BLE001
             return _failed(exc, headers)
         assert outcome is not None  # run() ends with the Outcome or raises

@@ -370,6 +370,15 @@ def test_api_keys(engine, noisy_lm):
         assert http.get("/health").status_code == 200  # probes carry no key
 
 
+def post_scope(payload: bytes, path: str = "/v1/completions") -> dict:
+    """An ASGI HTTP scope of a JSON POST, as a server hands it to the app."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+            "query_string": b"", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+            "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(payload)).encode())]}
+
+
 # -- a client that goes away --------------------------------------------------------------------------------
 def test_disconnect_mid_stream_stops_the_loop_and_frees_the_caches(served, http):
     # A finished request keeps its session's caches for the next turn (served mode): the baseline.
@@ -398,13 +407,8 @@ def test_disconnect_mid_stream_stops_the_loop_and_frees_the_caches(served, http)
             if sum(b'"text"' in m.get("body", b"") for m in sent) >= 3:
                 gone.set()  # three chunks read, then the client closes the connection
 
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "root_path": "", "query_string": b"", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
-                 "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(payload)).encode())]}
         start = time.perf_counter()
-        await asyncio.wait_for(served.app(scope, receive, send), timeout=60)
+        await asyncio.wait_for(served.app(post_scope(payload), receive, send), timeout=60)
         return time.perf_counter() - start
 
     elapsed = asyncio.run(drive())
@@ -437,3 +441,38 @@ def test_a_second_request_on_a_busy_session_is_409(served, http):
     thread.join(60)
     assert_error(second, 409, code="session_busy")
     assert sse_data(results["first"].text)[-1] == "[DONE]"
+
+
+def test_an_oversized_body_is_refused_unread(served, http):
+    from specpool.services.openai_http import MAX_BODY_BYTES
+
+    huge = json.dumps(body(served, "completion", prompt="the " * (MAX_BODY_BYTES // 4 + 1))).encode()
+    error = assert_error(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}), 413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+
+
+def test_a_cancelled_unary_request_stops_the_loop(served):
+    """Serve cancels the handler of a client that went away: the loop stops and the caches are freed."""
+    cancelled = served.requests("CANCELLED", "default")
+    payload = json.dumps(body(served, "chat", drafter="slow", max_tokens=200, session_id="unary-gone")).encode()
+
+    async def drive() -> None:
+        async def receive():
+            return {"type": "http.request", "body": payload, "more_body": False}
+
+        async def send(message):
+            raise AssertionError(f"nothing is sent to a cancelled request: {message}")
+
+        task = asyncio.ensure_future(served.app(post_scope(payload, "/v1/chat/completions"), receive, send))
+        deadline = time.monotonic() + 30
+        while ("default", "unary-gone") not in served.core.active_sessions() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # a few rounds
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(drive())
+    assert served.core.active_sessions() == []
+    assert "unary-gone" not in served.verifier.caches.sessions()
+    assert served.requests("CANCELLED", "default") == cancelled + 1
