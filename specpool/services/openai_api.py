@@ -76,7 +76,8 @@ _STATUS_NAME = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSIO
 
 class OpenAIError(SpecpoolError):
     """An HTTP error in OpenAI's shape. A ``SpecpoolError`` whose ``code`` is the matching gRPC
-    status name, so refusals are counted by status like every other request."""
+    status name, so refusals are counted by status like every other request; OpenAI's own error
+    code (``"model_not_found"``, ...) is ``error_code``."""
 
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
                  code: str | None = None):

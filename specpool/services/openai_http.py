@@ -51,6 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from specpool.services.api import GenerationSpec
 from specpool.services.auth import ApiKeys, bearer_token
 from specpool.services.openai_api import (PARSERS, ChunkWriter, OpenAIError, ResponseOptions, http_error, model_card,
                                           model_list, response)
@@ -86,7 +87,7 @@ def build_openai_app(runner: RequestRunner, keys: ApiKeys, health: Callable[[], 
         keys.principal(key)
         return key
 
-    async def admit(request: Request, kind: str) -> tuple[Any, ResponseOptions, str]:
+    async def admit(request: Request, kind: str) -> tuple[GenerationSpec, ResponseOptions, str]:
         """(spec, options, tenant), or the refusal raised (and counted)."""
         try:
             key = authenticate(request)
@@ -113,7 +114,7 @@ def build_openai_app(runner: RequestRunner, keys: ApiKeys, health: Callable[[], 
             return _error_response(http_error(exc))
         events = runner.run(spec, ENDPOINT, tenant)
         try:
-            prepared = await anext(events)  # prepared: errors so far still get their own status
+            prepared = await anext(events)  # before the response starts: a failure here keeps its own status
         except Exception as exc:  # noqa: BLE001
             await events.aclose()
             return _failed(exc)
