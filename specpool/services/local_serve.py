@@ -45,6 +45,7 @@ class LocalServe:
     plan: ServePlan
     address: str  # HOST:PORT of the gRPC API
     metrics_url: str | None  # Prometheus text format (Ray's metrics agent)
+    http_url: str | None = None  # base URL of the OpenAI-compatible HTTP API (None: router arg http_api false)
     _owns_ray: bool = True
 
     def shutdown(self) -> None:
@@ -169,6 +170,8 @@ def start_local(
     router = RouterArgs.parse(plan.router.args)
     check_redis(router.redis_url, router.redis_namespace)
     check_port_free(plan.grpc_port, "gRPC")
+    if router.http_api:
+        check_port_free(plan.http_port, "HTTP")
     if metrics_port:
         check_port_free(metrics_port, "metrics")
 
@@ -186,8 +189,10 @@ def start_local(
         os.environ.setdefault(name, value)
     ray.init(**init_kwargs)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
+    http_host = DEFAULT_GRPC_HOST if plan.http_host in ("0.0.0.0", "::", "") else plan.http_host
     started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",
-                         f"http://{DEFAULT_GRPC_HOST}:{metrics_port}/metrics" if metrics_port else None)
+                         f"http://{DEFAULT_GRPC_HOST}:{metrics_port}/metrics" if metrics_port else None,
+                         f"http://{http_host}:{plan.http_port}/v1" if router.http_api else None)
     try:
         serve.start(
             proxy_location=plan.proxy_location,

@@ -55,9 +55,9 @@ How the pieces talk (see also ``specpool/services/remote.py``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -80,11 +80,14 @@ from specpool.learning.model_store import open_model_store
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
+from specpool.services.auth import ApiKeys, bearer_token, load_api_keys
 from specpool.services.config import settings_from_env
 from specpool.services.direct import DirectEndpoint, DirectRoutes
 from specpool.services.metrics import RayMetrics
-from specpool.services.orchestrator import EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, ServedDrafters
+from specpool.services.orchestrator import (EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, Outcome,
+                                           Prepared, ServedDrafters)
 from specpool.services.remote import DeploymentCaller, FeatureRelay, RemoteDrafter, RemoteVerifier
+from specpool.services.runner import RequestRunner
 from specpool.services.serve_config import REPLICA_SWITCH_INTERVAL_S, DrafterArgs, RouterArgs, TargetArgs
 from specpool.services.status import grpc_status
 from specpool.target.features import FeatureGap
@@ -359,17 +362,35 @@ def build_drafter_app(args: dict | None = None):
 
 
 # -- the router ------------------------------------------------------------------------------------------
+def _http_api_off():
+    """What the HTTP proxy reaches when the router's ``http_api`` is false: 404 everywhere, in
+    OpenAI's error shape, saying how to turn it on."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+
+    async def off(scope, receive, send):
+        if scope["type"] == "http":
+            message = "the HTTP API is off on this server (router arg http_api: false; `specpool serve` without --no-http)"
+            await JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                          "code": "http_api_off"}}, status_code=404)(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await Starlette()(scope, receive, send)
+
+    return off
+
+
 class _Failed(Exception):
     """Ends a gRPC call whose status code and details are already set on the context."""
 
 
-_DONE = object()
-
-
 @serve.deployment(name="Router")
+@serve.ingress()  # the ASGI app comes from __serve_build_asgi_app__, once the constructor ran
 class RouterServer:
-    """``specpool.v1.SpecPool`` (and grpc.health.v1.Health/Check): the speculative loop per request,
-    bandit state per session in Redis, the target and drafters called through their deployments."""
+    """``specpool.v1.SpecPool`` (and grpc.health.v1.Health/Check) over gRPC, and the OpenAI-compatible
+    HTTP API (``specpool/services/openai_http.py``) over Serve's HTTP proxy: both run every request
+    through one ``RequestRunner`` over one ``Orchestrator`` (bandit state per session in Redis, the
+    target and drafters called through their deployments). Who a request is comes from its API key
+    (``specpool/services/auth.py``), the same keys for both APIs."""
 
     async def __init__(self, args: RouterArgs):
         _quick_thread_switches()  # request threads and Serve's loop hand over on every model call
@@ -427,6 +448,20 @@ class RouterServer:
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
+        self.runner = RequestRunner(self.core, self._rounds)  # the one request path of both APIs
+        self.keys: ApiKeys = load_api_keys(args.api_keys_file)
+
+    def __serve_build_asgi_app__(self):
+        """The HTTP side (Serve calls this after the constructor): the OpenAI-compatible API, or,
+        with ``http_api: false``, an app that answers 404 to every path."""
+        if not self.args.http_api:
+            return _http_api_off()
+        from specpool.services.openai_http import build_openai_app
+
+        return build_openai_app(self.runner, self.keys, self._healthy)
+
+    async def _healthy(self) -> bool:
+        return await self._serving() == health_pb2.HealthCheckResponse.SERVING
 
     @staticmethod
     def _feature_relay(info: dict, drafter: str, width: int) -> FeatureRelay:
@@ -462,25 +497,26 @@ class RouterServer:
             logger.error("request failed: %r", exc, exc_info=exc)
         raise _Failed(f"{code.name}: {message}") from None
 
-    async def _prepare(self, request: specpool_pb2.GenerateRequest):
-        spec = spec_from_proto(request)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._rounds, self.core.prepare, spec)
+    def _tenant(self, grpc_context: Any, requested: str) -> str:
+        """The tenant a gRPC call runs as: its key's (``authorization: Bearer KEY`` metadata)."""
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        return self.keys.tenant_for(bearer_token(metadata.get("authorization")), requested)
+
+    def _admit(self, request: specpool_pb2.GenerateRequest, grpc_context: Any):
+        """(spec, tenant) of a call, checked before any model work; a refusal is counted and raised."""
+        try:
+            return spec_from_proto(request), self._tenant(grpc_context, request.tenant)
+        except Exception as exc:  # noqa: BLE001
+            self.runner.refused("grpc", exc)
+            raise
 
     # -- SpecPool -----------------------------------------------------------------------------------
     async def Generate(self, request: specpool_pb2.GenerateRequest, grpc_context: Any = None) -> specpool_pb2.GenerateResponse:
         try:
-            prepared = await self._prepare(request)
-            stop = threading.Event()
-            future = asyncio.get_running_loop().run_in_executor(self._rounds, self.core.run, prepared, None, stop.is_set)
-            try:
-                outcome = await asyncio.shield(future)
-            except asyncio.CancelledError:
-                # Client cancel or deadline: the loop stops before its next round and frees the
-                # session's caches (Orchestrator.run); wait for it so the work has really stopped.
-                stop.set()
-                await asyncio.wait([future])
-                raise
+            spec, tenant = self._admit(request, grpc_context)
+            # A client cancel or deadline cancels this call: the runner stops the loop before its
+            # next round and frees the session's caches (Orchestrator.run) before it returns.
+            outcome = await self.runner.generate(spec, "grpc", tenant)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure leaves through the one mapping
@@ -493,34 +529,26 @@ class RouterServer:
     async def GenerateStream(self, request: specpool_pb2.GenerateRequest,
                              grpc_context: Any = None) -> AsyncIterator[specpool_pb2.GenerateStreamResponse]:
         try:
-            prepared = await self._prepare(request)
+            spec, tenant = self._admit(request, grpc_context)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, grpc_context)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-
-        def on_chunk(chunk) -> None:  # in the worker thread
-            loop.call_soon_threadsafe(queue.put_nowait, chunk)
-
-        future = loop.run_in_executor(self._rounds, self.core.run, prepared, on_chunk, stop.is_set)
-        future.add_done_callback(lambda _: queue.put_nowait(_DONE))  # after every chunk (FIFO)
-        session = prepared.session_id
-        try:
-            while (item := await queue.get()) is not _DONE:
-                yield specpool_pb2.GenerateStreamResponse(text=item.text, token_ids=item.token_ids, session_id=session)
+        session = ""
+        async with contextlib.aclosing(self.runner.run(spec, "grpc", tenant)) as events:
             try:
-                outcome = future.result()
+                async for event in events:
+                    if isinstance(event, Outcome):
+                        yield specpool_pb2.GenerateStreamResponse(
+                            text=event.tail_text, finish_reason=finish_reason_to_proto(event.finish_reason),
+                            stats=stats_to_proto(event.stats), session_id=session,
+                        )
+                    elif isinstance(event, Prepared):
+                        session = event.session_id
+                    else:
+                        yield specpool_pb2.GenerateStreamResponse(text=event.text, token_ids=event.token_ids, session_id=session)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc, grpc_context)
-            yield specpool_pb2.GenerateStreamResponse(
-                text=outcome.tail_text, finish_reason=finish_reason_to_proto(outcome.finish_reason),
-                stats=stats_to_proto(outcome.stats), session_id=session,
-            )
-        finally:
-            if not future.done():  # cancelled, deadline passed, or the consumer went away
-                stop.set()
-                await asyncio.wait([future])
 
     # -- grpc.health.v1.Health ----------------------------------------------------------------------
     async def Check(self, request, grpc_context: Any = None):

@@ -24,7 +24,7 @@ from specpool.router.session_store import TENANT_PATTERN
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_GRPC_HOST = "127.0.0.1"  # where `specpool serve` says to connect (Serve's proxy binds all interfaces)
 DEFAULT_GRPC_PORT = 50051
-DEFAULT_HTTP_PORT = 8000  # Serve's HTTP proxy (health of the cluster); nothing of ours is on it
+DEFAULT_HTTP_PORT = 8000  # Serve's HTTP proxy: the OpenAI-compatible API (router arg http_api)
 DEFAULT_METRICS_PORT = 9464  # Prometheus text format at http://HOST:9464/metrics (Ray's metrics agent)
 GRPC_SERVICER_FUNCTIONS = (
     "specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server",
@@ -174,6 +174,12 @@ class RouterArgs:
     feedback_stream: str = "specpool:feedback"
     feedback_top_k: int = 20  # entries of the target's p per position in a record (1..64)
     feedback_opt_out: tuple[str, ...] = ()  # tenants whose rounds are never sent
+    # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)
+    # on Serve's HTTP proxy, beside gRPC; false: every HTTP path answers 404.
+    http_api: bool = True
+    # API keys -> tenants (specpool/services/auth.py): a key file of SHA-256 hashes; None: the
+    # SPECPOOL_API_KEYS environment variable if set, else no keys (every request names its tenant).
+    api_keys_file: str | None = None
 
     @property
     def pool(self) -> list[str]:
@@ -254,9 +260,23 @@ class RouterArgs:
             if not isinstance(tenants, (list, tuple)) or not all(isinstance(t, str) and TENANT_PATTERN.fullmatch(t) for t in tenants):
                 raise InvalidArgument(f"{where}: feedback_opt_out must be a list of tenant ids, got {tenants!r}")
             out["feedback_opt_out"] = tuple(tenants)
+        if "http_api" in args:
+            if not isinstance(args["http_api"], bool):
+                raise InvalidArgument(f"{where}: http_api must be true or false, got {args['http_api']!r}")
+            out["http_api"] = args["http_api"]
+        if args.get("api_keys_file") is not None:
+            out["api_keys_file"] = _str(where, "api_keys_file", args["api_keys_file"])
         parsed = cls(**out)
         parsed.check_policy()
+        parsed.check_api_keys()
         return parsed
+
+    def check_api_keys(self) -> None:
+        """A key file that is missing or malformed is one clear line at start-up, not a router
+        replica that fails to start."""
+        from specpool.services.auth import load_api_keys
+
+        load_api_keys(self.api_keys_file)
 
     def check_policy(self) -> None:
         """The default policy must exist and only choose among the served drafters."""
