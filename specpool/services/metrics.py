@@ -239,6 +239,14 @@ class RayMetrics:
         self._in_flight_counts[endpoint] = self._in_flight_counts.get(endpoint, 0) + delta
         self._in_flight.set(self._in_flight_counts[endpoint], tags={"endpoint": endpoint})
 
+    def refresh(self) -> None:
+        """Set the gauge again. Ray's metrics agent drops a gauge series that was not set within
+        two export intervals (a finished worker's stale value must not linger), so a gauge that
+        stays at 0 while nothing runs would vanish from the scrape; the router calls this every
+        few seconds (``RouterServer._refresh_metrics``)."""
+        for endpoint in ("grpc", "http"):
+            self._in_flight.set(self._in_flight_counts.get(endpoint, 0), tags={"endpoint": endpoint})
+
     def feature_bytes(self, link: str, drafter: str, count: int) -> None:
         if count:
             self._feature_bytes.inc(count, tags={"link": link, "drafter": drafter})

@@ -100,6 +100,7 @@ logger = logging.getLogger("ray.serve")
 # Serve's consistent-hash request router: the session id of a call picks the replica.
 SESSION_AFFINITY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 SPECPOOL_SERVICE = "specpool.v1.SpecPool"
+METRICS_REFRESH_S = 5.0  # gauges set again this often: Ray's agent drops one unset for two export intervals
 
 
 def _session_affinity() -> RequestRouterConfig:
@@ -450,6 +451,17 @@ class RouterServer:
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
         self.runner = RequestRunner(self.core, self._rounds)  # the one request path of both APIs
         self.keys: ApiKeys = load_api_keys(args.api_keys_file)
+        self._metrics_refresh = asyncio.get_running_loop().create_task(self._refresh_metrics(metrics))
+
+    @staticmethod
+    async def _refresh_metrics(metrics: RayMetrics) -> None:
+        """Keep the requests-in-flight gauge exported while it does not change (RayMetrics.refresh)."""
+        while True:
+            await asyncio.sleep(METRICS_REFRESH_S)
+            try:
+                metrics.refresh()
+            except Exception:  # noqa: BLE001 - a metrics hiccup must not end the loop
+                logger.warning("refreshing the metrics failed", exc_info=True)
 
     def __serve_build_asgi_app__(self):
         """The HTTP side (Serve calls this after the constructor): the OpenAI-compatible API, or,
