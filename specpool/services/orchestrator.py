@@ -20,6 +20,8 @@ drafter, target-only, or a bandit policy over a pool), per-request weight versio
 
 Per request:
 - the session runs one request at a time (a second concurrent one is ABORTED);
+- model servers know the session as ``tenant/session`` (``cache_id``): tenants that pick the same
+  session id never touch each other's caches, weight pins or releases;
 - ``should_stop`` (the caller cancelled or its deadline passed) ends the loop before the next
   round, and the session's caches are then released in the target and every drafter used;
 - a request that fails releases them too; one that finishes normally keeps them when
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POLICY,
@@ -142,11 +144,27 @@ class EmittedFeedback:
 
         def feedback(fb: RoundFeedback) -> None:
             drafter = drafters.get(fb.drafter)
-            # The weights version that drafted (0: shipped weights, or a drafter with none).
-            version = drafter.version_of(fb.session_id) if isinstance(drafter, PerRequestVersions) else 0
+            # The weights version that drafted (0: shipped weights, or a drafter with none); the
+            # drafter server pinned it under the session's cache id.
+            version = drafter.version_of(cache_id(tenant, fb.session_id)) if isinstance(drafter, PerRequestVersions) else 0
             self.emitter(fb, tenant, version)
 
         return dict(drafters), feedback
+
+
+def cache_id(tenant: str, session_id: str) -> str:
+    """What the target's and drafters' per-session structures (KV caches, drafter caches, weight
+    pins, feature logs, direct routes, releases) are keyed by: ``tenant/session``. Two tenants that
+    pick the same session id then never share, evict or free each other's caches. Unambiguous: a
+    tenant id holds no ``/`` (``SessionKey`` checks both)."""
+    return f"{tenant}/{session_id}"
+
+
+def _named_feedback(feedback: FeedbackCallback, session_id: str) -> FeedbackCallback:
+    def named(fb: RoundFeedback) -> None:
+        feedback(replace(fb, session_id=session_id))
+
+    return named
 
 
 @dataclass
@@ -165,6 +183,11 @@ class Prepared:
     feedback: FeedbackCallback | None = None  # online learning: called after every drafted round
     feedback_top_k: int = 0  # entries of the target's p per position those rounds ask for
     endpoint: str = "embedded"  # which API it came through (grpc, http): a metrics label
+
+    @property
+    def cache_id(self) -> str:
+        """The session's name in every model server (``cache_id``)."""
+        return cache_id(self.tenant, self.session_id)
 
 
 @dataclass(frozen=True)
@@ -277,6 +300,8 @@ class Orchestrator:
         if self.feedback is not None:  # pins this request's drafter versions: never mixed within it
             drafters, feedback = self.feedback.prepare(tenant, drafters)
             top_k = self.feedback.top_k if feedback is not None else 0
+            if feedback is not None:  # the loop names the session by its cache id; records by the client's id
+                feedback = _named_feedback(feedback, session)
         return Prepared(session, tenant, list(prompt_ids), params, k, name, chooser, drafters, tuple(stop), feedback, top_k)
 
     def _chooser(self, key: SessionKey, seed: int, drafter: str | None, policy: str | None, pool: Sequence[str] | None,
@@ -349,17 +374,17 @@ class Orchestrator:
 
         pinning = [d for d in prepared.drafters.values() if isinstance(d, PerRequestVersions)]
         for drafter in pinning:
-            drafter.begin_request(prepared.session_id, prepared.tenant)
+            drafter.begin_request(prepared.cache_id, prepared.tenant)
         try:
             result = speculative_generate(
-                prepared.prompt_ids, session_id=prepared.session_id, drafters=prepared.drafters,
+                prepared.prompt_ids, session_id=prepared.cache_id, drafters=prepared.drafters,
                 chooser=prepared.chooser, verifier=self.verifier, params=prepared.params, k=prepared.k,
                 on_tokens=on_tokens, should_stop=stop, on_round=record_round, feedback=prepared.feedback,
                 return_top_k=prepared.feedback_top_k,
             )
         finally:
             for drafter in pinning:
-                drafter.end_request(prepared.session_id)
+                drafter.end_request(prepared.cache_id)
         return self._outcome(prepared, text, result)
 
     def _outcome(self, prepared: Prepared, text: IncrementalDetokenizer, result: GenerationResult) -> Outcome:
@@ -384,7 +409,7 @@ class Orchestrator:
         effort: a server that cannot be reached holds nothing worth freeing."""
         for release in [self.verifier.release, *(d.release for d in prepared.drafters.values())]:
             try:
-                release(prepared.session_id)
+                release(prepared.cache_id)
             except Exception:  # noqa: BLE001 - freeing memory must not mask the request's own outcome
                 pass
 

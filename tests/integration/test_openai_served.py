@@ -298,10 +298,10 @@ def test_a_client_that_disconnects_mid_stream_frees_the_sessions_caches(served, 
                     got += 1
                 if got >= 4:
                     break
-            assert session in _call(served.handles.target, "Sessions")  # it really held a cache ...
+            assert f"acme/{session}" in _call(served.handles.target, "Sessions")  # it really held a cache ...
         # ... until the connection closes here
     _wait(lambda: not _call(served.handles.router, "Active"), 20, "the router to stop the request")
-    _wait(lambda: session not in _call(served.handles.target, "Sessions"), 20, "the session's caches to be released")
+    _wait(lambda: f"acme/{session}" not in _call(served.handles.target, "Sessions"), 20, "the session's caches to be released")
     batches = _verify_batches(served)
     time.sleep(1.0)
     assert _verify_batches(served) == batches  # nothing verifies for it any more

@@ -137,13 +137,15 @@ def _call(handle, method: str, *args):
     return handle.options(method_name=method).remote(*args).result(timeout_s=60)
 
 
-def _holders(served, session: str) -> list[str]:
-    """Which servers still hold something for ``session``."""
+def _holders(served, session: str, tenant: str = "default") -> list[str]:
+    """Which servers still hold something for ``session`` of ``tenant`` (model servers key their
+    per-session structures by tenant/session)."""
     held = []
-    if session in _call(served.handles.target, "Sessions"):
+    scoped = f"{tenant}/{session}"
+    if scoped in _call(served.handles.target, "Sessions"):
         held.append("target")
     for name, handle in served.handles.drafters.items():
-        if session in _call(handle, "Sessions"):
+        if scoped in _call(handle, "Sessions"):
             held.append(f"drafter {name}")
     return held
 
@@ -416,7 +418,7 @@ def test_a_session_survives_losing_the_target_replica_that_holds_its_cache(serve
     for chunk in client.generate_stream(PROMPTS[2], max_new_tokens=48, session_id=session, timeout=300):
         tokens.extend(chunk.token_ids)
         if killed is None and len(tokens) >= 8:
-            assert session in _call(served.handles.target, "Sessions")
+            assert f"default/{session}" in _call(served.handles.target, "Sessions")
             killed = _kill_replica(served.handles.target)
     assert killed is not None
     assert tokens == expected

@@ -383,7 +383,7 @@ def post_scope(payload: bytes, path: str = "/v1/completions") -> dict:
 def test_disconnect_mid_stream_stops_the_loop_and_frees_the_caches(served, http):
     # A finished request keeps its session's caches for the next turn (served mode): the baseline.
     done = http.post("/v1/completions", json=body(served, "completion", drafter="slow", max_tokens=4))
-    assert done.headers[SESSION_HEADER] in served.verifier.caches.sessions()
+    assert f"default/{done.headers[SESSION_HEADER]}" in served.verifier.caches.sessions()  # tenant/session
 
     cancelled = served.requests("CANCELLED", "default")
     payload = json.dumps(body(served, "completion", drafter="slow", stream=True, max_tokens=200,
@@ -417,7 +417,7 @@ def test_disconnect_mid_stream_stops_the_loop_and_frees_the_caches(served, http)
     assert elapsed < 200 * 0.02  # stopped long before its 200 rounds of >= 20 ms
     # When the app returns, the loop has stopped and the session's caches are gone everywhere.
     assert served.core.active_sessions() == []
-    assert "leaving" not in served.verifier.caches.sessions()
+    assert "default/leaving" not in served.verifier.caches.sessions()
     assert served.requests("CANCELLED", "default") == cancelled + 1
     # The session is free again: a new request on it runs.
     again = http.post("/v1/completions", json=body(served, "completion", drafter="slow", max_tokens=4,
@@ -474,5 +474,5 @@ def test_a_cancelled_unary_request_stops_the_loop(served):
 
     asyncio.run(drive())
     assert served.core.active_sessions() == []
-    assert "unary-gone" not in served.verifier.caches.sessions()
+    assert "default/unary-gone" not in served.verifier.caches.sessions()
     assert served.requests("CANCELLED", "default") == cancelled + 1

@@ -5,6 +5,8 @@ caches everywhere."""
 
 from __future__ import annotations
 
+from specpool.services.orchestrator import cache_id
+
 import threading
 
 import pytest
@@ -89,7 +91,7 @@ def test_stream_chunks_add_up_to_the_answer(parts):
 def test_a_normal_finish_keeps_the_caches_for_the_next_request(parts):
     core, verifier, drafters, _ = parts
     core.run(core.prepare(spec(session_id="keep")))
-    assert "keep" in verifier.caches.sessions()
+    assert cache_id("default", "keep") in verifier.caches.sessions()  # tenant/session
     assert not any(d.released for d in drafters.values())
 
 
@@ -118,8 +120,8 @@ def test_cancel_stops_the_loop_and_releases_every_cache(parts):
     with pytest.raises(Cancelled, match="cancelled"):
         core.run(core.prepare(spec(session_id="gone", tenant="acme", policy="fixed:noisy")), on_chunk, stop.is_set)
     assert len(chunks) == 1  # no round after the cancel
-    assert "gone" not in verifier.caches.sessions()
-    assert drafters["noisy"].released == ["gone"]
+    assert cache_id("acme", "gone") not in verifier.caches.sessions()
+    assert drafters["noisy"].released == ["acme/gone"]
     assert core.active_sessions() == []
     assert metrics.registry.get_sample_value("specpool_requests_total", {"tenant": "acme", "endpoint": "embedded", "status": "CANCELLED"}) == 1
 
@@ -263,7 +265,8 @@ def test_per_request_versions_are_bracketed_and_stamp_the_feedback(target_lm):
                         OrchestratorSettings(k=4, max_new_tokens=24),
                         feedback=EmittedFeedback(FeedbackEmitter(stream), top_k=4))
     outcome = core.run(core.prepare(spec(session_id="v", tenant="acme", policy="fixed:ngram")))
-    assert drafter.requests == [("v", "acme")] and not drafter.open
+    assert drafter.requests == [("acme/v", "acme")] and not drafter.open  # pinned under tenant/session
     records = [FeedbackRecord.decode(d.payload) for d in stream.read("learner", 100)]
     assert records and all(r.version == 7 for r in records)
+    assert {(r.tenant, r.session) for r in records} == {("acme", "v")}  # records name the client's session
     assert len(records) <= outcome.stats.rounds

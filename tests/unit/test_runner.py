@@ -111,7 +111,7 @@ def test_a_consumer_that_stops_early_stops_the_loop_and_frees_the_caches(setup):
 
     first = asyncio.run(main())
     assert first.token_ids
-    assert "gone" not in verifier.caches.sessions()
+    assert "acme/gone" not in verifier.caches.sessions()
     assert runner.core.active_sessions() == []
     assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="http", status="CANCELLED") == 1
     assert sample(metrics, "specpool_requests_in_flight", endpoint="http") == 0
@@ -122,14 +122,14 @@ def test_a_cancelled_unary_call_stops_the_loop_and_frees_the_caches(setup):
 
     async def main():
         task = asyncio.create_task(runner.generate(spec(session_id="cut", max_new_tokens=200), "grpc", "acme"))
-        while "cut" not in verifier.caches.sessions():  # the first round ran
+        while "acme/cut" not in verifier.caches.sessions():  # the first round ran
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
-    assert "cut" not in verifier.caches.sessions()
+    assert "acme/cut" not in verifier.caches.sessions()
     assert runner.core.active_sessions() == []
     assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="grpc", status="CANCELLED") == 1
 
