@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from specpool.core.errors import ModelUnavailable
+from specpool.core.errors import InvalidArgument, ModelUnavailable
 from specpool.drafters.zoo import ZooDrafter
 from specpool.drafters.zoo_model import ZooLM
 from specpool.learning.model_store import SHARED_SCOPE, ModelStore, VariantKey
@@ -96,12 +96,21 @@ class ServedVariants:
     versions this replica holds (the ``keep`` most recently used) or, on a replica that never
     served it (failover), loaded from the store. So a request never mixes versions, and a new
     version reaches a tenant's next request within ``refresh_every_s``.
+
+    Memory is bounded however many tenants there are: at most ``max_tenants`` slots, the least
+    recently used dropped (its tenant's next request makes a new one, reading the store again). A
+    dropped slot's drafter is safe to drop: a version in use is also among the ``keep`` held ones
+    (which ``release`` still reaches), and version 0 is ``base``.
     """
 
     def __init__(self, base: ZooDrafter, store: ModelStore, shared: bool = False, refresh_every_s: float = 5.0,
-                 keep: int = 4):
+                 keep: int = 4, max_tenants: int = 256):
+        if max_tenants < 1 or keep < 1:
+            raise InvalidArgument(f"max_tenants and keep must be >= 1, got {max_tenants}, {keep}")
         self.base, self.store, self.shared, self.refresh_every_s, self.keep = base, store, shared, refresh_every_s, keep
-        self._slots: dict[VariantKey, DrafterSlot] = {}
+        self.max_tenants = max_tenants
+        self.evicted = 0
+        self._slots: OrderedDict[VariantKey, DrafterSlot] = OrderedDict()  # least recently used first
         self._held: OrderedDict[tuple[VariantKey, int], ZooDrafter] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -119,9 +128,13 @@ class ServedVariants:
             if not exact:
                 slot = self._slots.get(key)
                 if slot is None:
+                    while len(self._slots) >= self.max_tenants:
+                        self._slots.popitem(last=False)
+                        self.evicted += 1
                     slot = self._slots[key] = DrafterSlot(key, self.base, self.store, self.refresh_every_s)
                     slot.refresh()
                 else:
+                    self._slots.move_to_end(key)
                     slot.maybe_refresh()
                 version, drafter = slot.pin()
             elif version == 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -115,7 +116,7 @@ class EmbeddedLearning:
         self.store = open_model_store(config.store or (Path(home) / "online"))
         self.emitter = FeedbackEmitter(self.stream, config.context_tail)
         self._bases: dict[str, Drafter] = {}
-        self._slots: dict[VariantKey, DrafterSlot] = {}
+        self._slots: OrderedDict[VariantKey, DrafterSlot] = OrderedDict()  # LRU, at most config.max_variants
         self._lock = threading.Lock()
         self.learner: Learner | None = None
         self.thread: LearnerThread | None = None
@@ -142,7 +143,13 @@ class EmbeddedLearning:
     def _slot(self, key: VariantKey, base: Drafter) -> DrafterSlot:
         with self._lock:
             slot = self._slots.get(key)
-            if slot is None:
+            if slot is not None:
+                self._slots.move_to_end(key)
+            else:
+                # A request in flight keeps the drafter it pinned; the next one of an evicted
+                # tenant makes a new slot from the store.
+                while len(self._slots) >= self.config.max_variants:
+                    self._slots.popitem(last=False)
                 self._bases.setdefault(key.drafter, base)
                 slot = self._slots[key] = DrafterSlot(key, base, self.store)  # type: ignore[arg-type]
                 slot.refresh()  # a version promoted before this process started

@@ -19,7 +19,17 @@ record to its drafter *variant* with an online algorithm (specpool/learning/onli
 A crash anywhere before 4 loses the uncommitted effects *and* leaves their records unacknowledged,
 so they are redelivered and applied to the checkpointed state: each record's effect counts once.
 A record whose id the checkpoint already holds (a crash between 3 and 4, or a producer that sent it
-twice) is acknowledged without a second effect.
+twice) is acknowledged without a second effect. A restarted learner first takes back the records
+pending under its own consumer name (``claim_own``: no wait for ``claim_idle_s``), then those other,
+dead consumers left. Nothing is acknowledged before what it did is on disk: a record over its
+tenant's budget is acknowledged with its variant's commit (the budget it was measured against is
+in that checkpoint), and a record given up on (delivered more than ``max_deliveries`` times, or
+failing with a bug) is acknowledged only once the store holds it as a dead letter
+(``ModelStore.dead_letter``). Only records with no effect at all - malformed, opted out, for a
+drafter that is not learnt - are acknowledged at once.
+
+Memory is bounded per tenant: at most ``max_variants`` variants are held, the least recently used
+one committed and dropped (``_evict``); ``history`` keeps the last ``history_kept`` commits.
 
 Tenants: a record trains its tenant's own variant of the drafter (scope = tenant), or the shared
 pool's (scope ``_shared``) when ``shared_pool`` is on; tenants in ``opt_out`` are never trained on;
@@ -38,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import OrderedDict, deque
 from typing import Callable
 
 import torch
@@ -77,6 +88,9 @@ class Learner:
         clock: Callable[[], float] = time.monotonic,
     ):
         config.online.validate()
+        if config.max_variants < 1 or config.history_kept < 0:
+            raise InvalidArgument(f"max_variants must be >= 1 and history_kept >= 0, got {config.max_variants}, "
+                                  f"{config.history_kept}")
         if config.rollback_metric not in ("greedy", "soft"):
             raise InvalidArgument(f"rollback_metric is greedy or soft, not {config.rollback_metric!r}")
         self.config = config
@@ -86,33 +100,42 @@ class Learner:
         self.consumer = consumer
         self.on_promote = on_promote
         self.clock = clock
-        self.variants: dict[VariantKey, VariantState] = {}
+        self.variants: OrderedDict[VariantKey, VariantState] = OrderedDict()  # least recently used first
         self.counters: dict[str, int] = {
             "read": 0, "processed": 0, "applied": 0, "held_out": 0, "trained_after_holdout": 0, "duplicates": 0,
             "rejected": 0, "opted_out": 0, "over_budget": 0, "not_learnable": 0, "dead_lettered": 0, "errors": 0, "steps": 0,
-            "published": 0, "promoted": 0, "rollbacks": 0, "acked": 0,
+            "published": 0, "promoted": 0, "rollbacks": 0, "acked": 0, "evicted": 0,
         }
         self.rejected: dict[str, int] = {}  # reason -> count
         self.last_loss: dict[VariantKey, float] = {}
-        self.history: list[dict] = []  # one row per commit: version, BD before/after, decision
+        self.history: deque[dict] = deque(maxlen=config.history_kept)  # one row per commit: version, BD before/after, decision
         self.busy_s = 0.0  # wall time spent applying and committing (not waiting for records)
-        self._conflicts: dict[VariantKey, str] = {}  # variants whose checkpoint another algorithm made
+        self._conflicts: OrderedDict[VariantKey, str] = OrderedDict()  # variants whose checkpoint another algorithm made
+        # Fault injection for tests (``SPECPOOL_LEARNER_PAUSE_BEFORE_ACK_S``, learner_process.py): sleep
+        # between a commit's checkpoint and its acknowledgement, so a test can kill the learner there.
+        self.pause_before_ack_s = 0.0
 
     # -- the loop --------------------------------------------------------------------------------
 
     def recover(self, limit: int | None = None) -> int:
-        """Take over records another (crashed) consumer left unacknowledged; returns how many
+        """Take back the records this consumer's name left pending (a restart: at once, when the
+        source can), then those another (crashed) consumer left unacknowledged; returns how many
         (at most ``limit``: the rest stay pending for a later call)."""
-        total, cursor = 0, "0-0"
-        while limit is None or total < limit:
-            count = self.config.read_count if limit is None else min(self.config.read_count, limit - total)
-            cursor, deliveries = self.source.claim_stale(self.consumer, self.config.claim_idle_s, count, cursor)
-            for delivery in deliveries:
-                self.process(delivery)
-            total += len(deliveries)
-            self.commit_due()
-            if cursor == "0-0":
-                break
+        total = 0
+        own = getattr(self.source, "claim_own", None)
+        scans = [lambda count, cursor: own(self.consumer, count, cursor)] if own is not None else []
+        scans.append(lambda count, cursor: self.source.claim_stale(self.consumer, self.config.claim_idle_s, count, cursor))
+        for scan in scans:
+            cursor = "0-0"
+            while limit is None or total < limit:
+                count = self.config.read_count if limit is None else min(self.config.read_count, limit - total)
+                cursor, deliveries = scan(count, cursor)
+                for delivery in deliveries:
+                    self.process(delivery)
+                total += len(deliveries)
+                self.commit_due()
+                if cursor == "0-0":
+                    break
         return total
 
     def poll(self, block_s: float | None = None, count: int | None = None) -> int:
@@ -170,15 +193,27 @@ class Learner:
             log.error("feedback entry %s not applied, left pending: %s", delivery.entry_id, exc)
         except Exception as exc:  # noqa: BLE001 - a bug on one record must not stop learning
             self.counters["errors"] += 1
-            log.exception("feedback entry %s failed (%s); dropped", delivery.entry_id, exc)
-            self._ack([delivery.entry_id])
+            log.exception("feedback entry %s failed (%s); dead-lettered", delivery.entry_id, exc)
+            self._dead_letter(delivery, f"failed: {type(exc).__name__}: {exc}")
         finally:
             self.counters["processed"] += 1
 
+    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Keep the record in the store's dead letters, durably, and only then acknowledge it; when
+        the store cannot take it, it stays pending (and comes back)."""
+        try:
+            self.store.dead_letter(delivery.entry_id, delivery.payload, reason)
+        except Exception as exc:  # noqa: BLE001 - an unwritable store: keep the record pending
+            self.counters["errors"] += 1
+            log.error("feedback entry %s: could not dead-letter it (%s); left pending", delivery.entry_id, exc)
+            return
+        self.counters["dead_lettered"] += 1
+        self._ack([delivery.entry_id])
+
     def _process(self, delivery: Delivery) -> None:
         if delivery.deliveries > self.config.max_deliveries:
-            self.counters["dead_lettered"] += 1
-            self._ack([delivery.entry_id])
+            self._dead_letter(delivery, f"delivered {delivery.deliveries} times (max_deliveries "
+                                        f"{self.config.max_deliveries})")
             return
         try:
             record = FeedbackRecord.decode(delivery.payload, self.config.limits)
@@ -220,16 +255,22 @@ class Learner:
                 evicted = variant.holdout.popleft()
                 if self.config.train_after_holdout and self._train_on(variant, evicted):
                     self.counters["trained_after_holdout"] += 1
+        elif not self._train_on(variant, record):
+            # Over budget, measured against usage not checkpointed yet: acknowledged with that
+            # checkpoint (a crash before it redelivers the record to the restored usage).
+            self._hold(variant, delivery.entry_id)
+            return
         else:
-            if not self._train_on(variant, record):
-                self._ack([delivery.entry_id])
-                return
             self.counters["applied"] += 1
         self._remember(variant, record.record_id)
+        self._hold(variant, delivery.entry_id)
+
+    def _hold(self, variant: VariantState, entry_id: str) -> None:
+        """Acknowledge ``entry_id`` with the variant's next commit."""
         if not variant.uncommitted:
             variant.first_uncommitted = self.clock()
-        variant.uncommitted.append(delivery.entry_id)
-        variant.uncommitted_ids.add(delivery.entry_id)
+        variant.uncommitted.append(entry_id)
+        variant.uncommitted_ids.add(entry_id)
 
     def _train_on(self, variant: VariantState, record: FeedbackRecord) -> bool:
         """Add ``record`` to the variant's next gradient step; False (counted) when its tenant's
@@ -267,6 +308,7 @@ class Learner:
         is not learnable. Raises ModelUnavailable when the checkpoint cannot be continued."""
         variant = self.variants.get(key)
         if variant is not None:
+            self.variants.move_to_end(key)
             return variant
         base = self.base_model(key.drafter)
         if base is None:
@@ -278,12 +320,27 @@ class Learner:
         conflict = checkpoint_conflict(self.config.online, state, key, self.store.describe)
         if conflict is not None:  # its records stay pending (counted as errors), none is dropped
             self._conflicts[key] = conflict
+            while len(self._conflicts) > self.config.max_variants:
+                self._conflicts.popitem(last=False)
             raise ModelUnavailable(conflict)
         if state is not None:
             restore_checkpoint(variant, state, self.config.limits)
             log.info("learner: resumed %s/%s at version %d", key.scope, key.drafter, variant.serving_version)
+        while len(self.variants) >= self.config.max_variants:
+            self._evict(next(iter(self.variants.values())))
         self.variants[key] = variant
         return variant
+
+    def _evict(self, variant: VariantState) -> None:
+        """Write the least recently used variant back (commit: checkpoint, then acknowledge) and drop
+        it; if the commit fails it stays, and the record that wanted room stays pending."""
+        if variant.uncommitted or variant.batch:
+            self.commit(variant)
+        del self.variants[variant.key]
+        self.last_loss.pop(variant.key, None)
+        self.counters["evicted"] += 1
+        log.info("learner: %s/%s left memory (least recently used of %d)", variant.key.scope, variant.key.drafter,
+                 self.config.max_variants)
 
     def commit_due(self) -> None:
         now = self.clock()
@@ -303,6 +360,10 @@ class Learner:
             self._publish(variant)
             variant.steps_since_commit = 0
         save_checkpoint(self.store, variant)
+        if self.pause_before_ack_s > 0:
+            log.warning("learner: checkpoint of %s/%s written, %d records not acknowledged yet; pausing %.1f s",
+                        variant.key.scope, variant.key.drafter, len(variant.uncommitted), self.pause_before_ack_s)
+            time.sleep(self.pause_before_ack_s)
         entry_ids, variant.uncommitted = variant.uncommitted, []
         variant.uncommitted_ids = set()
         self._ack(entry_ids)

@@ -10,6 +10,7 @@ network of each drafter it may train, built once through the drafter registry.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -24,6 +25,10 @@ from specpool.learning.learning_config import LearningConfig
 from specpool.learning.model_store import ModelStore
 
 log = logging.getLogger("specpool.learner")
+
+# Fault injection for the durability tests: seconds to sleep between writing a commit's checkpoint
+# and acknowledging its records (tests/integration/test_learner_durability.py kills the process there).
+PAUSE_BEFORE_ACK_ENV = "SPECPOOL_LEARNER_PAUSE_BEFORE_ACK_S"
 
 
 def registry_base_models(context: DrafterContext, allowed: Sequence[str]) -> Callable[[str], ZooLM | None]:
@@ -64,6 +69,7 @@ def run_learner(config: LearningConfig, source: FeedbackSource, store: ModelStor
     if max_records is not None and max_records < 1:
         raise InvalidArgument(f"max_records must be >= 1, got {max_records}")
     learner = Learner(config, source, store, base_model, consumer=consumer)
+    learner.pause_before_ack_s = float(os.environ.get(PAUSE_BEFORE_ACK_ENV) or 0.0)
 
     def remaining() -> int | None:
         return None if max_records is None else max_records - learner.counters["processed"]

@@ -42,6 +42,11 @@ class LearningConfig:
     claim_idle_s: float = 60.0  # pending records idle this long are reclaimed (another consumer died)
     max_deliveries: int = 5  # a record delivered more often is dropped as poison (counted)
     applied_ids_kept: int = 100_000  # record ids remembered per variant for idempotence
+    # Memory stays bounded however many tenants send feedback: at most this many variants are held
+    # (the least recently used one is committed - checkpointed, then acknowledged - and dropped; its
+    # next record resumes it from that checkpoint), and the last ``history_kept`` commits are listed.
+    max_variants: int = 64
+    history_kept: int = 1000
     limits: FeedbackLimits = field(default_factory=FeedbackLimits)
     # Embedded mode only. A Redis URL: emit the feedback to that stream for a learner process
     # (``specpool learner``) and learn nothing in this one; None: the in-process queue and thread.

@@ -11,35 +11,43 @@ rejected version stays on disk for inspection, marked rolled back.
     <root>/<scope>/<drafter>/v000007/weights.safetensors   # the version's tensors
     <root>/<scope>/<drafter>/v000007/meta.json
     <root>/<scope>/<drafter>/SERVING                        # "7": the version drafters load
-    <root>/<scope>/<drafter>/learner_state.pt               # the learner's checkpoint
+    <root>/<scope>/<drafter>/learner_state.safetensors      # the learner's checkpoint
+    <root>/_dead_letters/<time>-<entry>.json                # records the learner gave up on
 
-Every write goes to a temporary name first and is renamed into place, so a reader sees a whole
-version or none, and a crash leaves at most a hidden temporary behind. Another URI scheme
+Every write goes to a temporary name first, is fsynced, and is renamed into place, the folder then
+fsynced too (specpool/learning/durable.py): a reader sees a whole version or none, a crash or a
+power loss leaves at most a hidden temporary behind, and a full disk is one clear error. Nothing
+here is a pickle: tensors are safetensors, the rest JSON, so reading a store never runs code. Another URI scheme
 (an object store, say) implements the ``ModelStore`` protocol and is handed to
 ``open_model_store`` through its ``schemes`` argument.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save as save_tensors
 
 from specpool.core.errors import InvalidArgument, ModelUnavailable, NotFound
+from specpool.learning.durable import atomic_write, decode_state, disk_full, encode_state, fsync_dir, write_synced
 from specpool.router.session_store import TENANT_PATTERN
 
 SHARED_SCOPE = "_shared"  # the shared pool's scope (no tenant id starts with "_")
+DEAD_LETTERS = "_dead_letters"  # the folder of dead-lettered records (no tenant id starts with "_")
+STATE_FILE = "learner_state.safetensors"
+LEGACY_STATE_FILE = "learner_state.pt"  # a pickle (torch.save) of older versions: refused, never loaded
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,10 @@ class ModelStore(Protocol):
     def load_state(self, key: VariantKey) -> dict | None:
         ...
 
+    def dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
+        """Keep a record the learner gives up on, durably (it is acknowledged only after)."""
+        ...
+
 
 class DirectoryModelStore:
     def __init__(self, root: Path | str, keep_versions: int = 5):
@@ -113,14 +125,19 @@ class DirectoryModelStore:
 
     def publish(self, key: VariantKey, tensors: dict[str, torch.Tensor], metadata: dict) -> int:
         folder = self._dir(key)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".publish-"))
         try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "weights.safetensors"))
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".publish-"))
+        except OSError as exc:
+            raise _os_error(folder, exc) from None
+        try:
+            write_synced(tmp / "weights.safetensors",
+                         save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
             version = (self.versions(key) or [0])[-1] + 1
             while True:  # another publisher may take a number first: rename fails, take the next
                 meta = dict(metadata, version=version, drafter=key.drafter, scope=key.scope)
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+                fsync_dir(tmp)  # both files' names are on disk before the folder gets its version's name
                 try:
                     os.rename(tmp, self._version_dir(folder, version))
                     break
@@ -128,27 +145,19 @@ class DirectoryModelStore:
                     if not self._version_dir(folder, version).exists():
                         raise
                     version += 1
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fsync_dir(folder)  # the version's name is on disk before anyone can promote it
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # never a half-written version
+            if isinstance(exc, OSError):
+                raise _os_error(tmp, exc) from None
             raise
         self._prune(key)
         return version
 
-    def _atomic_write(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
     def promote(self, key: VariantKey, version: int) -> None:
         if not self._version_dir(self._dir(key), version).is_dir():
             raise NotFound(f"{key.scope}/{key.drafter} has no version {version}")
-        self._atomic_write(self._dir(key) / "SERVING", f"{version}\n".encode())
+        atomic_write(self._dir(key) / "SERVING", f"{version}\n".encode())
 
     def serving(self, key: VariantKey) -> int | None:
         try:
@@ -170,21 +179,37 @@ class DirectoryModelStore:
     def mark_rolled_back(self, key: VariantKey, version: int, reason: str) -> None:
         folder = self._version_dir(self._dir(key), version)
         if folder.is_dir():
-            self._atomic_write(folder / "ROLLED_BACK", (reason + "\n").encode())
+            atomic_write(folder / "ROLLED_BACK", (reason + "\n").encode())
 
     def save_state(self, key: VariantKey, state: dict) -> None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        self._atomic_write(self._dir(key) / "learner_state.pt", buffer.getvalue())
+        atomic_write(self._dir(key) / STATE_FILE, encode_state(state))
 
     def load_state(self, key: VariantKey) -> dict | None:
-        path = self._dir(key) / "learner_state.pt"
-        if not path.exists():
-            return None
+        path = self._dir(key) / STATE_FILE
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001
-            raise ModelUnavailable(f"learner checkpoint {path} is unreadable ({exc}); delete it to start over") from None
+            data = path.read_bytes()
+        except FileNotFoundError:
+            legacy = self._dir(key) / LEGACY_STATE_FILE
+            if legacy.exists():  # never unpickled: whoever can write the store would run code here
+                raise ModelUnavailable(f"learner checkpoint {legacy} is a pickle (torch.save) file, which can run code "
+                                       "when loaded; refusing it - delete it to start over from the serving version") from None
+            return None
+        except OSError as exc:
+            raise ModelUnavailable(f"learner checkpoint {path} is unreadable ({exc})") from None
+        return decode_state(data, str(path))
+
+    def dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry_id)[-80:]
+        text = payload.decode("utf-8", "replace") if isinstance(payload, (bytes, bytearray)) else str(payload)
+        record = {"entry_id": entry_id, "reason": reason, "time": time.time(), "payload": text}
+        atomic_write(self.root / DEAD_LETTERS / f"{time.time_ns()}-{safe}.json", json.dumps(record).encode())
+
+    def dead_letters(self) -> list[dict]:
+        """The dead-lettered records, oldest first (operators, tests)."""
+        folder = self.root / DEAD_LETTERS
+        if not folder.is_dir():
+            return []
+        return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
 
     def _prune(self, key: VariantKey) -> None:
         if self.keep_versions <= 0:
@@ -194,6 +219,11 @@ class DirectoryModelStore:
         for version in old:
             if version != serving:
                 shutil.rmtree(self._version_dir(self._dir(key), version), ignore_errors=True)
+
+
+def _os_error(path: Path, exc: OSError) -> Exception:
+    """A full disk as its one clear error; other OS errors as they are."""
+    return disk_full(path, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc
 
 
 StoreFactory = Callable[[str], ModelStore]

@@ -374,7 +374,7 @@ def save_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer, 
 def load_checkpoint(path: Path, model: ZooLM, optimizer: torch.optim.Optimizer
                     ) -> tuple[TrainState, dict[str, torch.Tensor] | None]:
     try:
-        data = torch.load(path, map_location=model.device, weights_only=False)
+        data = torch.load(path, map_location=model.device, weights_only=True)
         model.load_state_dict(data["model"])
         optimizer.load_state_dict(data["optimizer"])
         return TrainState(**data["state"]), data.get("best")
