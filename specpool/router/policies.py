@@ -67,9 +67,10 @@ def round_rewards(record: RoundRecord) -> dict[str, float]:
 # -- shared helpers ---------------------------------------------------------------------------------
 
 
-def _means(state: dict, reward: str) -> dict[str, float | None]:
-    """Empirical mean reward per arm (None for an arm never played), normalised for ``rate``."""
-    means = {a: (st["s"] / st["n"] if st["n"] > 0 else None) for a, st in state["arms"].items()}
+def _means(state: dict, reward: str, arms: Sequence[str]) -> dict[str, float | None]:
+    """Empirical mean reward of each of ``arms`` (None for an arm never played), normalised for
+    ``rate``. Only the policy's own arms: a state may also hold arms of another pool (``adopt``)."""
+    means = {a: (st["s"] / st["n"] if st["n"] > 0 else None) for a in arms for st in (state["arms"][a],)}
     if reward == "rate":
         top = max((m for m in means.values() if m is not None), default=0.0)
         means = {a: (m / top if m is not None and top > 0 else m) for a, m in means.items()}
@@ -95,8 +96,9 @@ def _sample(weights: Mapping[str, float], rng: random.Random) -> str:
 
 
 def _counts_state(arms: Sequence[str], reward: str, prior: ArmStats | None, warm: "WarmStart | None") -> dict:
-    """{"t", "arms": {arm: {"n", "s"}}}, optionally seeded from the tenant's statistics."""
-    state = {"t": 0, "arms": {a: {"n": 0.0, "s": 0.0} for a in arms}}
+    """{"t", "reward", "arms": {arm: {"n", "s"}}}, optionally seeded from the tenant's statistics.
+    "reward" names what the sums "s" add up, so a policy on another reward never reads them (``adopt``)."""
+    state = {"t": 0, "reward": reward, "arms": {a: {"n": 0.0, "s": 0.0} for a in arms}}
     if warm is not None and prior:
         for a in arms:
             stats = prior.get(a)
@@ -108,6 +110,16 @@ def _counts_state(arms: Sequence[str], reward: str, prior: ArmStats | None, warm
             state["arms"][a] = {"n": n, "s": n * stats.get(reward, 0.0) / stats["n"]}
         state["t"] = sum(st["n"] for st in state["arms"].values())
     return state
+
+
+def _valid_counts(state: object) -> bool:
+    """Whether ``state`` has the shape every policy's counts share: {"t": number, "arms": {arm: {"n", "s"}}}."""
+    if not isinstance(state, dict) or not isinstance(state.get("arms"), dict):
+        return False
+    if isinstance(state.get("t"), bool) or not isinstance(state.get("t"), (int, float)):
+        return False
+    return all(isinstance(st, dict) and all(isinstance(st.get(x), (int, float)) and not isinstance(st.get(x), bool)
+                                            for x in ("n", "s")) for st in state["arms"].values())
 
 
 def _add(state: dict, arm: str, reward: float, discount: float = 1.0) -> dict:
@@ -145,6 +157,29 @@ class Policy:
     def init_state(self, prior: ArmStats | None = None) -> dict:
         return _counts_state(self.arms, self.reward, prior, self.warm)
 
+    def adopt(self, state: dict | None, prior: ArmStats | None = None) -> dict:
+        """A stored state made fit for this policy: the session may have been used under another
+        policy, pool or fixed drafter (a request names its own), or written by an older version.
+
+        - none, malformed, or its sums of another reward (BD sums are no BE sums, and "rate" has
+          no scale at all): a fresh state, as for a new session;
+        - same reward: kept; arms of this pool it lacks get fresh stats (the warm start's if
+          any); arms it has beyond this pool are *kept*, unplayed and unselected here, so what
+          the session learned about them survives a detour through a smaller pool or a
+          ``fixed:`` request (they are bounded by the drafters served). A state written before
+          states named their reward is taken as this policy's.
+        Subclasses fill their own fields (``_adopt_extra``)."""
+        if not _valid_counts(state) or state.get("reward", self.reward) != self.reward:  # type: ignore[union-attr]
+            return self.init_state(prior)
+        fresh = self.init_state(prior)
+        arms = {a: dict(st) for a, st in state["arms"].items()}  # type: ignore[index]
+        for a in self.arms:
+            arms.setdefault(a, fresh["arms"][a])
+        return self._adopt_extra({**state, "reward": self.reward, "arms": arms}, fresh)  # type: ignore[dict-item]
+
+    def _adopt_extra(self, state: dict, fresh: dict) -> dict:
+        return state
+
     def select(self, state: dict, rng: random.Random) -> str:
         raise NotImplementedError
 
@@ -153,7 +188,7 @@ class Policy:
         return _add(state, arm, rewards[self.reward]), {arm: {"n": 1.0, **rewards}}
 
     def leader(self, state: dict) -> str | None:
-        means = {a: m for a, m in _means(state, self.reward).items() if m is not None}
+        means = {a: m for a, m in _means(state, self.reward, self.arms).items() if m is not None}
         return _argmax(means) if means else None
 
 
@@ -168,7 +203,7 @@ class UCB(Policy):
         for arm in self.arms:
             if state["arms"][arm]["n"] <= 0:
                 return arm
-        means = _means(state, self.reward)
+        means = _means(state, self.reward, self.arms)
         log_t = math.log(max(self._rounds(state), 1.0))
         return _argmax({a: means[a] + self.beta * math.sqrt(2.0 * log_t / state["arms"][a]["n"]) for a in self.arms})
 
@@ -199,6 +234,10 @@ class ReplayUCB(UCB):
     def init_state(self, prior: ArmStats | None = None) -> dict:
         # Probe rounds are counted apart from t, which a warm start seeds with the prior's weight.
         return {**super().init_state(prior), "probed": 0}
+
+    def _adopt_extra(self, state: dict, fresh: dict) -> dict:
+        probed = state.get("probed")
+        return state if isinstance(probed, int) and not isinstance(probed, bool) else {**state, "probed": 0}
 
     def wants_replay(self, state: dict) -> bool:
         return state.get("probed", 0) < self.probe_rounds
@@ -238,7 +277,8 @@ class Thompson(Policy):
     1 − r failures (Agrawal & Goyal 2012's trick for bounded rewards, without the Bernoulli draw)."""
 
     def select(self, state: dict, rng: random.Random) -> str:
-        draws = {a: rng.betavariate(1.0 + st["s"], 1.0 + max(st["n"] - st["s"], 0.0)) for a, st in state["arms"].items()}
+        draws = {a: rng.betavariate(1.0 + st["s"], 1.0 + max(st["n"] - st["s"], 0.0))
+                 for a in self.arms for st in (state["arms"][a],)}
         return _argmax(draws)
 
 
@@ -254,8 +294,13 @@ class Exp3(Policy):
         state["logw"] = {a: 0.0 for a in self.arms}
         return state
 
+    def _adopt_extra(self, state: dict, fresh: dict) -> dict:
+        logw = state.get("logw")
+        logw = {a: w for a, w in logw.items() if isinstance(w, (int, float))} if isinstance(logw, dict) else {}
+        return {**state, "logw": {**{a: 0.0 for a in self.arms}, **logw}}
+
     def probabilities(self, state: dict) -> dict[str, float]:
-        top = max(state["logw"].values())
+        top = max(state["logw"][a] for a in self.arms)
         w = {a: math.exp(state["logw"][a] - top) for a in self.arms}
         total, k = sum(w.values()), len(self.arms)
         return {a: (1.0 - self.gamma) * w[a] / total + self.gamma / k for a in self.arms}
@@ -271,7 +316,7 @@ class Exp3(Policy):
         return {**new, "logw": logw}, increments
 
     def leader(self, state: dict) -> str | None:
-        return _argmax(state["logw"]) if state["t"] > 0 else None
+        return _argmax({a: state["logw"][a] for a in self.arms}) if state["t"] > 0 else None
 
 
 @dataclass(frozen=True)
@@ -295,6 +340,15 @@ class SequentialHalving(Policy):
         state["phase_pulls"] = {a: 0 for a in self.arms}
         return state
 
+    def _adopt_extra(self, state: dict, fresh: dict) -> dict:
+        # Survivors of another pool are not this pool's: the halving restarts unless it ran over
+        # exactly these arms.
+        survivors, pulls = state.get("survivors"), state.get("phase_pulls")
+        if (not isinstance(survivors, list) or not survivors or not set(survivors) <= set(self.arms)
+                or not isinstance(pulls, dict) or set(pulls) != set(self.arms)):
+            return {**state, "survivors": fresh["survivors"], "phase_pulls": fresh["phase_pulls"]}
+        return state
+
     def select(self, state: dict, rng: random.Random) -> str:
         survivors = state["survivors"]
         if len(survivors) == 1:
@@ -311,7 +365,7 @@ class SequentialHalving(Policy):
             pulls[arm] += 1
         need = self._pulls(len(survivors))
         if len(survivors) > 1 and all(pulls[a] >= need for a in survivors):
-            means = _means(new, self.reward)
+            means = _means(new, self.reward, self.arms)
             ranked = sorted(survivors, key=lambda a: (-(means[a] or 0.0), survivors.index(a)))
             survivors = ranked[: math.ceil(len(survivors) / 2)]
             pulls = {a: 0 for a in self.arms}
