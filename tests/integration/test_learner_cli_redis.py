@@ -66,7 +66,9 @@ def models(tmp_path_factory):
 def stream_key(raw):
     key = f"specpool-test-learner-{uuid.uuid4().hex}"
     yield key
-    raw.delete(key)
+    stream = RedisFeedbackStream(URL, stream=key)
+    stream.delete()  # every tenant's stream and the tenant set too
+    stream.close()
 
 
 @pytest.fixture
@@ -94,11 +96,12 @@ def specpool_process(home: Path, *args: str) -> subprocess.Popen:
 
 
 def lag_and_pending(raw: redis.Redis, key: str, group: str = "learners") -> tuple[int, int]:
-    def text(value) -> str:
-        return value.decode() if isinstance(value, bytes) else value
-
-    info = {text(g["name"]): g for g in raw.xinfo_groups(key)}[group]
-    return int(info["lag"] or 0), int(info["pending"])
+    """Over every tenant's stream (one stream per tenant: specpool/learning/feedback_redis.py)."""
+    stream = RedisFeedbackStream(URL, stream=key, group=group)
+    try:
+        return stream.backlog(), stream.pending()
+    finally:
+        stream.close()
 
 
 def test_generate_feeds_a_learner_process_and_drafts_with_its_version(raw, models, stream_key, home, tmp_path, capsys):
@@ -114,7 +117,7 @@ def test_generate_feeds_a_learner_process_and_drafts_with_its_version(raw, model
     learning = first["stats"]["learning"]
     assert learning["records"] > 0 and learning["dropped"] == 0 and stream_key in learning["feedback"]
     assert learning["versions"][zoo] == {"drafted_with": 0, "serving": 0}  # nobody learned in this process
-    assert raw.xlen(stream_key) == learning["records"]
+    assert raw.xlen(f"{stream_key}:{TENANT}") == learning["records"]  # the tenant's own stream
     code, out, err = specpool(capsys, "generate", prompt, "--raw", "--json", "--max-new-tokens", "24", "--drafter", "none",
                               "--target", str(target))
     assert code == 0, err
