@@ -4,7 +4,9 @@ A commit (specpool/learning/learner_loop.py) saves the checkpoint - the online l
 and optimiser state, the serving version, the applied record ids, the tenants' budget usage and
 the held-out records - before it acknowledges the variant's records, so a learner that restarts
 from it applies each record's effect exactly once (``save_checkpoint``, ``restore_checkpoint``).
-A checkpoint made by another algorithm cannot be continued (``checkpoint_conflict``).
+A checkpoint made by another algorithm cannot be continued (``checkpoint_conflict``). The store
+keeps it as safetensors plus JSON, fsynced before its rename (specpool/learning/durable.py): loading
+one never runs code, and a pickle is refused.
 """
 
 from __future__ import annotations
