@@ -4,10 +4,18 @@ drafters, import paths)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import importlib
+import os
 import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import jsonschema
@@ -21,6 +29,7 @@ SCHEMAS = K8S / "schemas" / "kuberay"
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
 # Labels KubeRay itself puts on Ray pods; a Service may select on them besides the template's.
 KUBERAY_POD_LABELS = {"ray.io/serve": "true", "ray.io/node-type": None}  # None: any value
+TLS_SECRET = "specpool-grpc-tls"  # kubernetes.io/tls, made by cert-manager (k8s/examples/certificate.yaml) or by hand
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -225,7 +234,7 @@ def test_grpc_options_point_at_the_specpool_servicer():
 def test_router_args_and_the_pool():
     apps = applications()
     args = apps["router"]["args"]
-    for key in ("redis_url", "policy", "k"):
+    for key in ("redis_url_env", "policy", "k"):
         assert key in args, f"router args lack {key}"
     assert isinstance(args["k"], int) and 1 <= args["k"] <= 32
     target = apps[args["target_app"]]
@@ -276,28 +285,76 @@ def test_head_and_worker_groups():
 
 
 def _ray_containers(service: dict) -> list[dict]:
+    """The Ray container of every node group (KubeRay runs Ray in the first container; others are sidecars)."""
     cluster = service["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
-    return [c for t in templates for c in t["spec"]["containers"]]
+    return [t["spec"]["containers"][0] for t in templates]
+
+
+def _all_containers() -> list[tuple[str, dict]]:
+    return [(f"{owner}/{c['name']}", c) for owner, t in pod_templates() for c in t["spec"]["containers"]]
 
 
 def test_one_image_everywhere():
-    images = {c["image"] for c in _ray_containers(ray_service())}
+    """Ray containers, the TLS sidecar and the learner run the one specpool image (Redis its own)."""
+    images = {c["image"] for owner, c in _all_containers() if not owner.startswith("Deployment/specpool-redis")}
     assert len(images) == 1, images
     assert re.match(r"^[\w.-]+(/[\w.-]+)+:[\w.-]+$", images.pop()), "an image with an explicit tag"
 
 
-def test_redis_url_names_the_redis_service():
-    url = applications()["router"]["args"]["redis_url"]
-    match = re.match(r"^redis://([\w.-]+):(\d+)(/\d+)?$", url)
-    assert match, url
-    host, port = match.group(1), int(match.group(2))
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in env values, command and args (an unknown VAR stays as is)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def _expanded_env(container: dict) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it: in order, each value's $(VAR) of an
+    earlier entry expanded; a value from a Secret shows as <NAME>."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        env[entry["name"]] = _expand(entry["value"], env) if "value" in entry else f"<{entry['name']}>"
+    return env
+
+
+def _secret_ref(entry: dict) -> tuple[str, str] | None:
+    ref = entry.get("valueFrom", {}).get("secretKeyRef")
+    return (ref["name"], ref["key"]) if ref else None
+
+
+REDIS_URL = re.compile(r"^redis://(?P<user>[\w-]+):\$\(REDIS_PASSWORD\)@(?P<host>[\w.-]+):(?P<port>\d+)/(?P<db>\d+)$")
+
+
+def redis_clients() -> list[tuple[str, dict]]:
+    """Every container that talks to Redis: each Ray container (the routers) and the learner."""
+    return [(f"ray:{c['name']}", c) for c in _ray_containers(ray_service())] + [
+        (f"learner:{c['name']}", c) for c in learner()["spec"]["template"]["spec"]["containers"]]
+
+
+def test_redis_url_comes_from_the_secret_and_names_the_redis_service():
+    """The router reads its URL from REDIS_URL (serveConfigV2 cannot expand variables, and a
+    password there would show in the Serve config); every client builds it from Secret
+    specpool-redis, as the ACL user Redis defines, for the Redis Service."""
+    args = applications()["router"]["args"]
+    assert args.get("redis_url_env") == "REDIS_URL" and "redis_url" not in args, args
+    urls = set()
+    for owner, container in redis_clients():
+        env = _env(container)
+        names = list(env)
+        assert _secret_ref(env["REDIS_PASSWORD"]) == ("specpool-redis", "password"), owner
+        # $(REDIS_PASSWORD) expands only when REDIS_PASSWORD is defined earlier in the list.
+        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL"), owner
+        urls.add(env["REDIS_URL"]["value"])
+    assert len(urls) == 1, urls
+    match = REDIS_URL.match(urls.pop())
+    assert match, f"REDIS_URL must be redis://USER:$(REDIS_PASSWORD)@HOST:PORT/DB"
     services = {s["metadata"]["name"]: s for s in documents("Service")}
-    assert host.split(".")[0] in services, f"{host} is not a Service in k8s/"
-    assert port in [p["port"] for p in services[host.split(".")[0]]["spec"]["ports"]]
-    for container in _ray_containers(ray_service()):
-        env = {e["name"]: e.get("value") for e in container.get("env", [])}
-        assert env.get("REDIS_URL") == url, f"{container['name']}: REDIS_URL {env.get('REDIS_URL')!r} != {url!r}"
+    assert match["host"] in services, f"{match['host']} is not a Service in k8s/"
+    assert int(match["port"]) in [p["port"] for p in services[match["host"]]["spec"]["ports"]]
+    assert match["user"] in redis_acl_users(), f"Redis defines no ACL user {match['user']!r}"
 
 
 def test_every_ray_container_has_serves_data_path_settings():
@@ -382,14 +439,37 @@ def test_selector_matching_can_fail():
     assert not selects({"app.kubernetes.io/name": "specpool", "other": "x"}, labels)
 
 
-def test_grpc_service_targets_the_serve_grpc_port():
+def _tls_front(head: dict) -> tuple[dict, argparse.Namespace]:
+    from specpool.services.tls_front import build_parser
+
+    fronts = [c for c in head["spec"]["containers"] if "specpool.services.tls_front" in " ".join(c.get("command", []))]
+    assert len(fronts) == 1, "the Ray head needs one tls-front sidecar"
+    (front,) = fronts
+    return front, build_parser().parse_args(front["args"])
+
+
+def test_grpc_service_targets_the_tls_front_and_the_front_the_serve_grpc_proxy():
+    """Public gRPC = TLS: specpool-grpc -> the head's tls-front sidecar -> Serve's proxy on loopback."""
     services = [s for s in documents("Service") if any(p.get("name") == "grpc" for p in s["spec"]["ports"])]
     assert [s["metadata"]["name"] for s in services] == ["specpool-grpc"]
     (service,) = services
     head = ray_service()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     assert selects(service["spec"]["selector"], head["metadata"]["labels"]), "specpool-grpc does not select the Ray head"
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
-    assert _container_port(head, port["targetPort"]) == serve_config()["grpc_options"]["port"]
+    front, args = _tls_front(head)
+    target = _container_port({"spec": {"containers": [front]}}, port["targetPort"])
+    assert target is not None, f"specpool-grpc's targetPort {port['targetPort']!r} is not a port of the tls-front sidecar"
+    assert args.listen.rsplit(":", 1) == ["0.0.0.0", str(target)]
+    assert args.upstream == f"127.0.0.1:{serve_config()['grpc_options']['port']}"
+    assert _container_port(head, "grpc") == serve_config()["grpc_options"]["port"]  # the proxy the front forwards to
+    # The certificate and key are the mounted kubernetes.io/tls Secret's files.
+    volumes = {v["name"]: v for v in head["spec"].get("volumes", [])}
+    mounts = {m["mountPath"]: m for m in front.get("volumeMounts", [])}
+    for path, key in ((args.cert, "tls.crt"), (args.key, "tls.key")):
+        folder, _, name = path.rpartition("/")
+        assert name == key and folder in mounts, f"{path} is not {key} of a mounted volume"
+        volume = volumes[mounts[folder]["name"]]
+        assert volume["secret"]["secretName"] == TLS_SECRET, volume
     # ... and no worker pod (whose proxy we did not publish) is selected.
     for owner, template in pod_templates():
         if owner.endswith(":head"):
@@ -535,3 +615,451 @@ def test_http_service_targets_the_serve_http_port():
     for owner, template in pod_templates():
         if not owner.endswith(":head"):
             assert not selects(service["spec"]["selector"], template["metadata"].get("labels", {})), owner
+
+
+# --- secrets -------------------------------------------------------------------------------------
+EXAMPLES = K8S / "examples"
+
+
+def example_documents() -> list[dict]:
+    return [doc for path in sorted(EXAMPLES.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _secret_uses() -> list[tuple[str, str, str | None]]:
+    """(where, Secret name, key or None for a whole-Secret volume) for every reference in k8s/."""
+    uses = []
+    for owner, template in pod_templates():
+        for container in template["spec"]["containers"]:
+            for entry in container.get("env", []):
+                ref = _secret_ref(entry)
+                if ref:
+                    uses.append((f"{owner}/{container['name']}:{entry['name']}", *ref))
+        for volume in template["spec"].get("volumes", []):
+            if "secret" in volume:
+                uses.append((f"{owner}:volume {volume['name']}", volume["secret"]["secretName"], None))
+    return uses
+
+
+def test_every_secret_used_is_described_in_the_examples():
+    """The Secrets the pods need exist, with those keys, in k8s/examples (secrets.yaml for those
+    made by hand, the cert-manager Certificate for the TLS one); nothing in k8s/ holds a secret."""
+    assert not [d for d in documents() if d["kind"] == "Secret"], "Secrets belong in k8s/examples, not in manifests applied as they are"
+    examples = {d["metadata"]["name"]: d for d in example_documents() if d["kind"] == "Secret"}
+    certificates = {d["spec"]["secretName"] for d in example_documents() if d["kind"] == "Certificate"}
+    uses = _secret_uses()
+    assert {name for _, name, _ in uses} == set(examples) | certificates, uses
+    for where, name, key in uses:
+        if name in certificates:
+            assert name == TLS_SECRET and key is None, where
+        elif key is not None:
+            assert key in examples[name]["stringData"], f"{where}: Secret {name} has no key {key!r} in k8s/examples/secrets.yaml"
+
+
+def test_the_example_api_keys_load_and_the_router_reads_them_from_the_environment():
+    from specpool.services.auth import ENV_KEYS, load_api_keys
+
+    (secret,) = [d for d in example_documents() if d["metadata"]["name"] == "specpool-api-keys"]
+    keys = load_api_keys(None, {ENV_KEYS: secret["stringData"]["keys.yaml"]})
+    assert keys.enabled and keys.tenants == {"acme"}
+    for container in _ray_containers(ray_service()):  # where router replicas (and the app builder) run
+        assert _secret_ref(_env(container)[ENV_KEYS]) == ("specpool-api-keys", "keys.yaml"), container["name"]
+    # Not api_keys_file: it is checked when the config is parsed, wherever that is (CI, a laptop).
+    assert "api_keys_file" not in applications()["router"]["args"]
+
+
+# --- the serve config still parses as specpool parses it --------------------------------------
+def test_the_shipped_serve_config_is_a_valid_plan_with_feedback_and_the_store():
+    from specpool.services.serve_config import DrafterArgs, RouterArgs, plan_from_config
+
+    plan = plan_from_config(serve_config(), "k8s/rayservice.yaml")
+    router = RouterArgs.parse(plan.router.args)
+    assert router.feedback is True, "the shipped config must send feedback to the learner"
+    assert router.redis_url_env == "REDIS_URL"
+    zoo = set(shipped_zoo())
+    drafters = {app.args["name"]: DrafterArgs.parse(app.args) for app in plan.apps if app.import_path.endswith(":build_drafter_app")}
+    assert zoo and zoo <= set(drafters), f"the learner trains {sorted(zoo)}; served: {sorted(drafters)}"
+    for name, args in drafters.items():
+        expected = MODEL_STORE if name in zoo else None  # only zoo drafters learn (others would warn)
+        assert args.model_store == expected, f"drafter {name}: model_store {args.model_store!r}"
+
+
+# --- the learning loop ---------------------------------------------------------------------------
+MODEL_STORE = "/mnt/specpool/model-store"
+
+
+def shipped_zoo() -> list[str]:
+    from specpool.drafters.zoo import shipped_names
+
+    return list(shipped_names())
+
+
+def learner() -> dict:
+    (deployment,) = [d for d in documents("Deployment") if d["metadata"]["name"] == "specpool-learner"]
+    return deployment
+
+
+def _learner_container() -> dict:
+    (container,) = learner()["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def learner_args() -> argparse.Namespace:
+    """The learner's command line as Kubernetes expands it, parsed by specpool's own parser."""
+    from specpool.cli.main import build_parser
+
+    container = _learner_container()
+    env = _expanded_env(container)
+    argv = [_expand(a, env) for a in container["command"] + container["args"]]
+    assert argv[0] == "specpool", argv
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "learner", argv
+    return args
+
+
+def _claim(template: dict, volume_name: str) -> str | None:
+    for volume in template["spec"].get("volumes", []):
+        if volume["name"] == volume_name and "persistentVolumeClaim" in volume:
+            return volume["persistentVolumeClaim"]["claimName"]
+    return None
+
+
+def _store_mounts(template: dict) -> list[tuple[dict, str]]:
+    """(mount, claim) of every PVC volume mounted in the template's first container."""
+    out = []
+    for mount in template["spec"]["containers"][0].get("volumeMounts", []):
+        claim = _claim(template, mount["name"])
+        if claim:
+            out.append((mount, claim))
+    return out
+
+
+def test_the_learner_reads_the_routers_stream_and_publishes_where_the_drafters_look():
+    from specpool.services.serve_config import RouterArgs
+
+    args = learner_args()
+    router = RouterArgs.parse(applications()["router"]["args"])
+    assert args.stream == router.feedback_stream
+    assert args.redis == _expanded_env(_learner_container())["REDIS_URL"] == "redis://specpool:<REDIS_PASSWORD>@specpool-redis:6379/0"
+    assert args.learn_store == MODEL_STORE
+    assert args.target == applications()["target"]["args"]["model"]
+    assert args.drafters is None or set(args.drafters.split(",")) == set(shipped_zoo())
+    assert args.consumer and "$(" not in args.consumer, "a fixed consumer name: a restarted learner takes back its own pending records"
+    assert args.no_progress, "no progress bar in a pod's log"
+
+
+def test_the_model_store_is_one_readwritemany_claim_mounted_by_the_learner_and_every_worker_group():
+    (claim,) = documents("PersistentVolumeClaim")
+    name = claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "drafter replicas on many nodes and the learner share it"
+    template = learner()["spec"]["template"]
+    (mounts,) = [_store_mounts(template)]
+    assert [(m["mountPath"], c, m.get("readOnly", False)) for m, c in mounts] == [(MODEL_STORE, name, False)]
+    cluster = ray_service()["spec"]["rayClusterConfig"]
+    # Any worker group may run drafter replicas (a drafter moved to the GPU group, say): all mount it,
+    # read-only (only the learner writes versions).
+    for group in cluster["workerGroupSpecs"]:
+        found = [(m["mountPath"], c, m.get("readOnly", False)) for m, c in _store_mounts(group["template"])]
+        assert found == [(MODEL_STORE, name, True)], f"{group['groupName']}: {found}"
+        (volume,) = [v for v in group["template"]["spec"]["volumes"] if v["name"] == _store_mounts(group["template"])[0][0]["name"]]
+        assert volume["persistentVolumeClaim"].get("readOnly") is True, group["groupName"]
+
+
+def test_the_learner_is_one_supervised_replica_with_its_own_cpu_share():
+    deployment = learner()
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two learners would publish over each other"
+    container = _learner_container()
+    probe = container["livenessProbe"]
+    assert probe["exec"]["command"] and probe["failureThreshold"] >= 2 and probe["initialDelaySeconds"] >= 60
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert limits["cpu"] == requests["cpu"], "a guaranteed CPU share: training never borrows the replicas' CPUs"
+    env = {name: e.get("value") for name, e in _env(container).items()}
+    assert env["OMP_NUM_THREADS"] == str(int(float(limits["cpu"]))), "torch's threads = the CPU limit"
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60, "time for the final commit"
+
+
+def _liveness_script() -> str:
+    command = _learner_container()["livenessProbe"]["exec"]["command"]
+    assert command[:2] == ["python", "-c"], command
+    return command[2]
+
+
+def _probe(env: dict[str, str]) -> int:
+    """The probe's exit status, running its script in this process (a python start per probe would
+    take seconds on a loaded machine) with the container's plain env values plus ``env``."""
+    container = _learner_container()
+    base = {name: e["value"] for name, e in _env(container).items() if "value" in e and "$(" not in e["value"]}
+    saved = dict(os.environ)
+    os.environ.update({**base, **env})
+    try:
+        exec(compile(_liveness_script(), "livenessProbe", "exec"), {"__name__": "__main__"})
+        return 0
+    except SystemExit as exc:
+        return 0 if exc.code is None else exc.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _local_redis():
+    redis = pytest.importorskip("redis")
+    client = redis.Redis(host="127.0.0.1", port=6379, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    return client
+
+
+def test_the_learner_liveness_probe_on_a_real_redis():
+    """Stuck = a record has waited longer than LEARNER_MAX_IDLE_MS and the learner took none for as
+    long; idle with nothing to do, or Redis unreachable, is alive. Against the real stream layout."""
+    from specpool.learning.feedback_redis import RedisFeedbackStream
+
+    client = _local_redis()
+    stream = f"test-k8s-probe-{uuid.uuid4().hex[:8]}"
+    url = "redis://127.0.0.1:6379/0"
+    most_s = 1.0
+    env = {"REDIS_URL": url, "FEEDBACK_STREAM": stream, "LEARNER_GROUP": "learners",
+           "LEARNER_CONSUMER": "specpool-learner", "LEARNER_MAX_IDLE_MS": str(int(most_s * 1000))}
+    assert _probe(env) == 0  # no stream at all yet
+    feedback = RedisFeedbackStream(url, stream=stream, group="learners")
+    try:
+        assert feedback.read("specpool-learner", 10) == []
+        for n in range(3):
+            feedback.emit(b'{"tenant":"acme","n":%d}' % n, tenant="acme")
+        assert feedback.dropped == 0
+        assert _probe(env) == 0  # records wait, but not for long yet
+        time.sleep(most_s + 0.1)
+        assert _probe(env) == 1  # they waited too long and the learner never took one: stuck
+        assert len(feedback.read("specpool-learner", 1)) == 1
+        assert _probe(env) == 0  # it is taking them (a backlog, not a stuck learner)
+        assert _probe({**env, "LEARNER_CONSUMER": "someone-else"}) == 1
+        time.sleep(most_s + 0.1)
+        assert _probe(env) == 1  # two still wait, and it took none for too long
+        assert len(feedback.read("specpool-learner", 10)) == 2
+        time.sleep(0.1)
+        assert _probe({**env, "LEARNER_MAX_IDLE_MS": "50"}) == 0  # all taken: idle is fine
+        with socket.socket() as s:  # a port where nothing listens
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        assert _probe({**env, "REDIS_URL": f"redis://127.0.0.1:{closed}/0"}) == 0
+    finally:
+        feedback.close()
+        keys = list(client.scan_iter(match=f"{stream}*"))
+        if keys:
+            client.delete(*keys)
+
+
+# --- Redis access ------------------------------------------------------------------------------
+def redis_deployment() -> dict:
+    (deployment,) = [d for d in documents("Deployment") if d["metadata"]["name"] == "specpool-redis"]
+    return deployment
+
+
+def _redis_script() -> str:
+    (container,) = redis_deployment()["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["sh", "-c"], container["command"]
+    return container["args"][0]
+
+
+def redis_acl_users() -> dict[str, str]:
+    """ACL user -> its rule line, from the config Redis is started with."""
+    return {line.split()[1]: line for line in _redis_script().splitlines() if line.strip().startswith("user ")}
+
+
+def test_redis_needs_passwords_from_the_secret():
+    (container,) = redis_deployment()["spec"]["template"]["spec"]["containers"]
+    env = _env(container)
+    assert _secret_ref(env["REDIS_ADMIN_PASSWORD"]) == ("specpool-redis", "admin-password")
+    assert _secret_ref(env["REDIS_PASSWORD"]) == ("specpool-redis", "password")
+    assert "requirepass $REDIS_ADMIN_PASSWORD" in _redis_script()
+    (user,) = redis_acl_users().values()
+    namespace = applications()["router"]["args"].get("redis_namespace", "specpool")
+    assert f"~{namespace}:*" in user.split() and "-@dangerous" in user.split() and "-@admin" in user.split(), user
+    assert "REDIS_PASSWORD" not in " ".join(container["command"]), "passwords stay off the command line"
+
+
+@pytest.fixture(scope="module")
+def manifest_redis(tmp_path_factory):
+    """A redis-server started by the manifest's own start script (its config, users and rules),
+    on a free port of this machine, with throwaway passwords."""
+    if shutil.which("redis-server") is None or shutil.which("sh") is None:
+        pytest.skip("no redis-server")
+    folder = tmp_path_factory.mktemp("redis-run")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = _redis_script().replace("/run/redis", str(folder))
+    script = script.replace("exec redis-server " + str(folder) + "/redis.conf",
+                            f"exec redis-server {folder}/redis.conf --port {port} --bind 127.0.0.1")
+    assert f"--port {port}" in script
+    passwords = {"REDIS_ADMIN_PASSWORD": uuid.uuid4().hex, "REDIS_PASSWORD": uuid.uuid4().hex}
+    process = subprocess.Popen(["sh", "-c", script], env={**os.environ, **passwords}, stderr=subprocess.PIPE)
+    import redis
+
+    admin = redis.Redis(host="127.0.0.1", port=port, password=passwords["REDIS_ADMIN_PASSWORD"], socket_timeout=2)
+    for _ in range(100):
+        try:
+            admin.ping()
+            break
+        except redis.RedisError:
+            if process.poll() is not None:
+                pytest.fail(f"redis-server did not start: {process.stderr.read().decode()[-500:]}")
+            time.sleep(0.05)
+    yield {"port": port, **passwords, "url": _expand(REDIS_URL.sub(
+        lambda m: f"redis://{m['user']}:$(REDIS_PASSWORD)@127.0.0.1:{port}/0", _env(redis_clients()[0][1])["REDIS_URL"]["value"]),
+        passwords)}
+    process.terminate()
+    process.wait(10)
+
+
+def test_the_example_passwords_are_refused():
+    if shutil.which("sh") is None:
+        pytest.skip("no sh")
+    (secret,) = [d for d in example_documents() if d["metadata"]["name"] == "specpool-redis"]
+    env = {"REDIS_ADMIN_PASSWORD": secret["stringData"]["admin-password"], "REDIS_PASSWORD": secret["stringData"]["password"]}
+    result = subprocess.run(["sh", "-c", _redis_script()], env={**os.environ, **env}, capture_output=True, text=True, timeout=10)
+    assert result.returncode == 1 and "example passwords" in result.stderr, result
+
+
+def test_the_acl_user_can_do_what_the_router_and_learner_do_and_nothing_else(manifest_redis):
+    import redis
+
+    from specpool.learning.feedback_redis import RedisFeedbackStream
+    from specpool.router.session_store import RedisSessionStore, SessionKey
+    from specpool.services.serve_config import RouterArgs
+
+    router = RouterArgs.parse(applications()["router"]["args"])
+    url = manifest_redis["url"]
+    # The router's session state (WATCH/MULTI/EXEC, hashes), under its namespace.
+    store = RedisSessionStore(url, namespace=router.redis_namespace)
+    key = SessionKey("acme", "s1")
+    store.transact(key, lambda state: ({"n": (state or {}).get("n", 0) + 1}, {}))
+    state, _ = store.read(key)
+    assert state == {"n": 1}
+    store.delete(key)
+    store.close()
+    # Feedback: the router emits, the learner reads as a group member and acknowledges.
+    emitter = RedisFeedbackStream(url, stream=router.feedback_stream)
+    emitter.emit(b'{"tenant":"acme","x":1}', tenant="acme")
+    assert emitter.dropped == 0
+    reader = RedisFeedbackStream(url, stream=router.feedback_stream)
+    deliveries = []
+    for _ in range(20):
+        deliveries += reader.read("specpool-learner", 10)
+        if deliveries:
+            break
+        time.sleep(0.1)
+    assert [d.payload for d in deliveries] == [b'{"tenant":"acme","x":1}']
+    assert reader.ack([d.entry_id for d in deliveries]) == 1
+    reader.close()
+    emitter.close()
+    # Nothing outside the namespace, and no administration.
+    client = redis.Redis.from_url(url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.set("other:key", "x")
+    for command in (("FLUSHALL",), ("CONFIG", "GET", "requirepass"), ("KEYS", "*"), ("ACL", "LIST"), ("CLIENT", "LIST")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command(*command)
+    # Without a password nothing at all; the admin password is the default user's.
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=manifest_redis["port"]).get("specpool:x")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=manifest_redis["port"], username="specpool", password="wrong").ping()
+
+
+# --- who may connect to what -------------------------------------------------------------------
+# Sources of a connection: pods with these labels, or "outside" (a client outside the cluster).
+RAY_HEAD = {"app.kubernetes.io/name": "specpool", "app.kubernetes.io/component": "ray-head", "ray.io/node-type": "head", "ray.io/serve": "true"}
+RAY_WORKER = {"app.kubernetes.io/name": "specpool", "app.kubernetes.io/component": "ray-worker", "ray.io/node-type": "worker"}
+LEARNER = {"app.kubernetes.io/name": "specpool", "app.kubernetes.io/component": "learner"}
+REDIS = {"app.kubernetes.io/name": "specpool", "app.kubernetes.io/component": "redis"}
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+OTHER_POD = {"app": "something-else"}
+OUTSIDE = None
+
+
+def _peer_matches(peer: dict, source: dict | None) -> bool:
+    """One `from` entry (podSelector / namespaceSelector; no ipBlock here) against a source."""
+    assert "ipBlock" not in peer, "the evaluator does not model ipBlock"
+    if source is None:  # outside the cluster: only an ipBlock could admit it
+        return False
+    if "podSelector" in peer and not (peer["podSelector"] == {} or label_selector_matches(peer["podSelector"], source)):
+        return False
+    # namespaceSelector {}: every namespace; without one, the policy's own (all sources are in it here).
+    return peer.get("namespaceSelector", {}) == {} or False
+
+
+def allowed(target: dict, port: int, source: dict | None, policies: list[dict] | None = None) -> bool:
+    """NetworkPolicy ingress semantics: a pod no policy selects takes anything; a selected pod
+    takes a connection that some rule of some selecting policy admits (from and ports)."""
+    policies = documents("NetworkPolicy") if policies is None else policies
+    selecting = [p for p in policies if label_selector_matches(p["spec"]["podSelector"], target)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            if ports is not None and not any(p.get("port") == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or any(_peer_matches(peer, source) for peer in peers):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("target,port,source,expected", [
+    # the public ports of the head: from anywhere
+    (RAY_HEAD, 9443, OUTSIDE, True), (RAY_HEAD, 8000, OUTSIDE, True), (RAY_HEAD, 9443, OTHER_POD, True),
+    # Serve's plaintext gRPC proxy, GCS, dashboard, Ray Client: Ray pods only (the dashboard also the operator)
+    (RAY_HEAD, 9000, OUTSIDE, False), (RAY_HEAD, 9000, OTHER_POD, False), (RAY_HEAD, 9000, RAY_WORKER, True),
+    (RAY_HEAD, 6379, OTHER_POD, False), (RAY_HEAD, 6379, RAY_WORKER, True),
+    (RAY_HEAD, 8265, OUTSIDE, False), (RAY_HEAD, 8265, OTHER_POD, False), (RAY_HEAD, 8265, OPERATOR, True),
+    (RAY_HEAD, 10001, OTHER_POD, False), (RAY_HEAD, 10001, OPERATOR, False),
+    # the model deployments' replicas (any port on a worker): only other Ray pods, i.e. the routers
+    (RAY_WORKER, 9000, OUTSIDE, False), (RAY_WORKER, 8000, OTHER_POD, False), (RAY_WORKER, 43210, OTHER_POD, False),
+    (RAY_WORKER, 43210, LEARNER, False), (RAY_WORKER, 43210, RAY_HEAD, True), (RAY_WORKER, 43210, RAY_WORKER, True),
+    # metrics: scraped from inside the cluster
+    (RAY_WORKER, 8080, OTHER_POD, True), (RAY_WORKER, 8080, OUTSIDE, False),
+    # Redis: the routers and the learner
+    (REDIS, 6379, RAY_WORKER, True), (REDIS, 6379, RAY_HEAD, True), (REDIS, 6379, LEARNER, True),
+    (REDIS, 6379, OTHER_POD, False), (REDIS, 6379, OUTSIDE, False), (REDIS, 6379, OPERATOR, False),
+    # the learner: nobody
+    (LEARNER, 8080, RAY_HEAD, False), (LEARNER, 22, OTHER_POD, False),
+])
+def test_network_policies(target, port, source, expected):
+    assert allowed(target, port, source) is expected
+
+
+def test_every_pod_is_under_a_policy_and_the_evaluator_can_fail():
+    policies = documents("NetworkPolicy")
+    for owner, template in pod_templates():
+        labels = _pod_labels(owner, template)
+        assert any(label_selector_matches(p["spec"]["podSelector"], labels) for p in policies), f"{owner} takes any connection"
+    # Without the public policy the head's TLS port is closed; without any, Redis is open.
+    assert not allowed(RAY_HEAD, 9443, OUTSIDE, [p for p in policies if p["metadata"]["name"] != "specpool-public"])
+    assert allowed(REDIS, 6379, OTHER_POD, [p for p in policies if p["metadata"]["name"] != "specpool-redis"])
+
+
+def test_public_policy_ports_are_the_services_ports():
+    """The ports opened to everyone are exactly those the public Services send to."""
+    (public,) = [p for p in documents("NetworkPolicy") if p["metadata"]["name"] == "specpool-public"]
+    opened = {p["port"] for rule in public["spec"]["ingress"] for p in rule["ports"]}
+    head = ray_service()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    targets = {_container_port(head, p["targetPort"]) for s in documents("Service")
+               if s["metadata"]["name"] in ("specpool-grpc", "specpool-http") for p in s["spec"]["ports"]}
+    assert opened == targets, (opened, targets)
+
+
+def test_no_ray_client_port_and_the_dashboard_only_inside_the_cluster():
+    head = ray_service()["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    # KubeRay's head Service publishes the Ray container's ports: no Ray Client (it runs any code sent).
+    assert "client" not in ports and 10001 not in ports.values(), ports
+    # The operator reaches the dashboard through the head Service (a ClusterIP); no Service of ours
+    # publishes it, and no Service is a NodePort or LoadBalancer.
+    for service in documents("Service"):
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service["metadata"]["name"]
+        assert all(p.get("targetPort") not in ("dashboard", ports.get("dashboard")) for p in service["spec"]["ports"])
