@@ -16,18 +16,170 @@ played, the same lookup would have made the same proposal, so its reward says no
 arms' differences and only adds noise (an arm played through a stretch of copied text would look
 good for the copies). The policy's state is left as it was, so an arm that has not yet had a round
 of its own is still unexplored.
+
+Store outages never fail a request (issue 27): the bandit only chooses which drafter drafts, and
+the target decides every token, so a request can always finish on the state it holds.
+- A failed read at the start: the request starts from a fresh state (counted, logged once).
+- Every credited round is queued in ``PendingWrites`` (one per store, shared by the process's
+  requests) and the queue is then written: a write that fails leaves the round queued, the
+  request goes on from its own state (the round applied locally), and the queue is written again
+  at a later round (at most every ``RETRY_AFTER_S``), at ``finish`` and when any later request of
+  any session starts. A write applies the queued rounds *in order to the stored state*, with the
+  policy of the request that played each, so nothing a concurrent writer stored is overwritten.
+- Bounded: ``MAX_PENDING_SESSIONS`` sessions of ``MAX_PENDING_ROUNDS`` rounds; beyond, the oldest
+  are dropped (counted). A write lost with the connection during EXEC may have been applied: it
+  is retried, so such a round may count twice; bandit statistics tolerate that, a failed request
+  would not be.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
+from specpool.core.errors import StoreUnavailable
 from specpool.router.loop import Choice, RoundRecord
 from specpool.router.policies import ArmStats, Policy, parse_arm
 from specpool.router.session_store import SessionKey, SessionStore
+
+logger = logging.getLogger(__name__)
+MAX_PENDING_SESSIONS = 1024  # sessions with rounds not yet written, per store
+MAX_PENDING_ROUNDS = 256  # rounds kept per such session (a few hundred bytes each)
+RETRY_AFTER_S = 0.5  # a failed write is tried again no sooner (a round is ~75 ms on CPU; a dead
+# Redis answers "connection refused" at once, but an unreachable one costs a connect timeout)
+FLUSH_SESSIONS = 16  # other sessions' queued rounds a starting request writes (bounds its delay)
+
+# The policy that played it, its warm-start prior (for a session the store had no state for), the
+# arm, what happened.
+_Round = tuple[Policy, "ArmStats | None", str, RoundRecord]
+
+
+class PendingWrites:
+    """Credited rounds not yet in the store, per session, oldest first: the rounds of requests that
+    ran through a store outage. One per store (``pending_for``); thread-safe.
+
+    ``on_event(kind)`` (the router's metrics) is told "read_failed", "write_failed", "written"
+    (a queue that had waited through a failure reached the store) and "dropped" (over the bounds)."""
+
+    def __init__(self, max_sessions: int = MAX_PENDING_SESSIONS, max_rounds: int = MAX_PENDING_ROUNDS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_sessions = max_sessions
+        self.max_rounds = max_rounds
+        self.clock = clock
+        self.counts = {"read_failed": 0, "write_failed": 0, "written": 0, "dropped": 0}
+        self.on_event: Callable[[str], None] | None = None
+        self._queues: OrderedDict[SessionKey, list[_Round]] = OrderedDict()
+        self._failed: set[SessionKey] = set()  # queues that met a failure: a later write is a recovery
+        self._retry_at = 0.0  # no write attempt before this (after a failure)
+        self._lock = threading.Lock()
+
+    def count(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[kind] += n
+        if self.on_event is not None:
+            for _ in range(n):
+                self.on_event(kind)
+
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    def rounds(self, key: SessionKey) -> int:
+        with self._lock:
+            return len(self._queues.get(key, ()))
+
+    def add(self, key: SessionKey, entry: _Round) -> None:
+        self._put(key, [entry])
+
+    def _put(self, key: SessionKey, entries: list[_Round], failed: bool = False) -> None:
+        """Queue ``entries`` before anything queued for the session since they were taken."""
+        dropped = 0
+        with self._lock:
+            queue = entries + self._queues.pop(key, [])
+            if len(queue) > self.max_rounds:
+                dropped += len(queue) - self.max_rounds
+                queue = queue[-self.max_rounds:]
+            self._queues[key] = queue
+            if failed:
+                self._failed.add(key)
+            while len(self._queues) > self.max_sessions:
+                old, lost = self._queues.popitem(last=False)
+                self._failed.discard(old)
+                dropped += len(lost)
+        if dropped:
+            logger.warning("bandit state: %d rounds not written to the store were dropped (over %d sessions "
+                           "or %d rounds a session); the sessions go on from what the store holds",
+                           dropped, self.max_sessions, self.max_rounds)
+            self.count("dropped", dropped)
+
+    def write(self, store: SessionStore, key: SessionKey, now: bool = False) -> dict | None:
+        """Write the session's queued rounds (in order, in one transaction); the stored state
+        after them, or None when nothing was queued or the store is (still) unavailable. Within
+        ``RETRY_AFTER_S`` of a failure nothing is tried, unless ``now``."""
+        with self._lock:
+            if not now and self.clock() < self._retry_at:
+                return None
+            entries = self._queues.pop(key, None)
+            recovered = key in self._failed
+            self._failed.discard(key)
+        if not entries:
+            return None
+
+        def apply(state: dict | None) -> tuple[dict, ArmStats]:
+            increments: ArmStats = {}
+            for policy, prior, arm, record in entries:
+                state, inc = policy.update(policy.adopt(state, prior), arm, record)
+                for name, stats in inc.items():
+                    total = increments.setdefault(name, {})
+                    for stat, value in stats.items():
+                        total[stat] = total.get(stat, 0.0) + value
+            return state, increments  # type: ignore[return-value]
+
+        try:
+            state = store.transact(key, apply)
+        except StoreUnavailable as exc:
+            with self._lock:
+                first = self._retry_at == 0.0  # the first failure since the store last took a write
+                self._retry_at = self.clock() + RETRY_AFTER_S
+            self._put(key, entries, failed=True)
+            (logger.warning if first else logger.debug)(
+                "bandit state of session %s/%s not written (%s); kept in memory and written when the store "
+                "answers again", key.tenant, key.session, exc)
+            self.count("write_failed")
+            return None
+        with self._lock:
+            self._retry_at = 0.0
+        if recovered:
+            self.count("written")
+        return state
+
+    def write_others(self, store: SessionStore, limit: int = FLUSH_SESSIONS) -> None:
+        """Write up to ``limit`` sessions' queues, oldest first; stop at the first failure."""
+        with self._lock:
+            keys = list(self._queues)[:limit]
+        for key in keys:
+            if self.write(store, key) is None and self.rounds(key):
+                return
+
+
+# One queue per store object, for every request of the process that uses that store.
+_PENDING: "weakref.WeakKeyDictionary[object, PendingWrites]" = weakref.WeakKeyDictionary()
+_PENDING_LOCK = threading.Lock()
+
+
+def pending_for(store: SessionStore) -> PendingWrites:
+    """The queue of rounds not yet written to ``store`` (created on first use)."""
+    with _PENDING_LOCK:
+        pending = _PENDING.get(store)
+        if pending is None:
+            pending = _PENDING[store] = PendingWrites()
+        return pending
 
 
 @runtime_checkable
@@ -52,12 +204,13 @@ class BanditChooser:
     """A ``DrafterChooser`` (and ``ReplayingChooser``) that asks a policy, with its state in a session store."""
 
     def __init__(self, policy: Policy, store: SessionStore, key: SessionKey, seed: int = 0, trace: bool = False,
-                 shared_sources: frozenset[str] = frozenset()):
+                 shared_sources: frozenset[str] = frozenset(), pending: PendingWrites | None = None):
         self.policy = policy
         self._pool = list(dict.fromkeys(parse_arm(a)[0] for a in policy.arms))  # the drafters the arms use
         self.shared_sources = shared_sources  # specpool.drafters.registry.shared_sources(pool)
         self.shared_rounds = 0  # rounds credited to no arm
         self.store = store
+        self.pending = pending if pending is not None else pending_for(store)  # rounds the store has not taken yet
         self.key = key
         self.seed = seed
         self.trace: list[TraceEntry] | None = [] if trace else None
@@ -65,21 +218,34 @@ class BanditChooser:
         self._pending: str | None = None
         self._prior: ArmStats | None = None
         self._round = 0
-        self._committed: dict | None = None  # the state this request's last update wrote
+        self._committed: dict | None = None  # the state after this request's last round (as stored, or own in an outage)
         self._selected_from: dict | None = None  # the state the pending choice was made from
 
     def _state(self, state: dict | None) -> dict:
-        return state if state is not None else self.policy.init_state(self._prior)
+        """The state as this policy reads it: a fresh one, or a stored one adopted (written
+        under another policy, pool or fixed drafter: ``Policy.adopt``)."""
+        return self.policy.adopt(state, self._prior)
+
+    def _read(self) -> dict:
+        """The session's state at the request's start, after writing what earlier requests left
+        queued (its own session's first, so it continues from them); fresh when the store fails."""
+        self.pending.write(self.store, self.key)
+        self.pending.write_others(self.store)
+        try:
+            state, tenant_stats = self.store.read(self.key)
+        except StoreUnavailable as exc:
+            logger.warning("bandit state of session %s/%s unreadable (%s): this request starts from a fresh "
+                           "state and its rounds are written when the store answers again",
+                           self.key.tenant, self.key.session, exc)
+            self.pending.count("read_failed")
+            return self._state(None)
+        if state is None:
+            self._prior = tenant_stats if self.policy.warm is not None else None
+        return self._state(state)
 
     def select(self) -> Choice:
         started = time.perf_counter()
-        if self._committed is not None:
-            state = self._committed
-        else:
-            state, tenant_stats = self.store.read(self.key)
-            if state is None:
-                self._prior = tenant_stats if self.policy.warm is not None else None
-            state = self._state(state)
+        state = self._committed if self._committed is not None else self._read()
         self._round = int(state["t"])
         self._selected_from = state
         # A generator per (seed, session, round): the same seed repeats the same choices, and the
@@ -108,13 +274,14 @@ class BanditChooser:
             return
         started = time.perf_counter()
         arm = self._pending
-
-        def apply(state: dict | None) -> tuple[dict, ArmStats]:
-            return self.policy.update(self._state(state), arm, record)
-
         credited = record.source is None or record.source not in self.shared_sources
         if credited:
-            self._committed = self.store.transact(self.key, apply)
+            self.pending.add(self.key, (self.policy, self._prior, arm, record))
+            stored = self.pending.write(self.store, self.key)
+            if stored is not None:
+                self._committed = self._state(stored)
+            else:  # the store is out: go on from this request's own state, the round applied to it
+                self._committed = self.policy.update(self._state(self._selected_from), arm, record)[0]
         else:
             self.shared_rounds += 1
         if self.trace is not None:
@@ -122,3 +289,11 @@ class BanditChooser:
             self.trace.append(TraceEntry(self._round, arm, leader, credited))
         self._pending = None
         self.overhead_s += time.perf_counter() - started
+
+    def finish(self) -> None:
+        """At the request's end: try once more to write its rounds that a store outage held back
+        (what still fails stays queued for the next request). Never raises for the store."""
+        if self.pending.rounds(self.key):
+            stored = self.pending.write(self.store, self.key, now=True)
+            if stored is not None:
+                self._committed = self._state(stored)
