@@ -21,6 +21,16 @@ another replica, which re-prefills from the full context the request carries: sl
 wrong. Calls that fail because a replica is gone are retried (same request, same seed: a retried
 round draws the same random numbers) for up to ``retry_s`` seconds.
 
+Deadlines and degradation (issue 27): every call has an overall deadline, ``timeout_s`` (each
+attempt waits at most what is left of it, retries included), so a hung replica never holds a
+router thread for ever. The target has no substitute: its calls retry a replica being replaced
+until the deadline, then fail the request. A drafter does: its proposals are only ever
+suggestions the target verifies, so a drafter deployment that is unavailable, slow or failing
+costs a *target-only round* (the loop verifies an empty draft: exactly the target's token), never
+the request or a wrong token. Its caller gets a short deadline (``DEFAULT_DRAFTER_TIMEOUT_S``);
+an unavailable or timed-out drafter is then skipped by every session for ``cooldown_s`` and probed
+again by one call; every failure is counted by reason (``RemoteDrafter.failures``, ``on_failure``).
+
 White-box drafters (EAGLE-style heads, ``specpool/drafters/eagle.py``) read the target's features.
 Served, they travel as float16 (or bfloat16) bytes (``specpool/target/features.py``): the target
 deployment returns each round's new rows in ``VerifyResponse.features`` ((a + 1) x width x 2
@@ -34,15 +44,16 @@ from there.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from specpool.drafters.base import CostMeter, Proposal
-from specpool.core.errors import ModelUnavailable, SpecpoolError
+from specpool.core.errors import DeadlineExceeded, ModelUnavailable, SpecpoolError
 from specpool.services import convert
 from specpool.services.direct import DirectRoutes
 from specpool.v1 import common_pb2
@@ -56,49 +67,70 @@ logger = logging.getLogger(__name__)
 # session keeps its caches between requests, so only eviction bounds this. 2 bytes x width a
 # position: 1,000 sessions of 1,000 positions are 1.2 GB at the default target's width.
 FEATURE_SESSIONS = 1024
+# Overall deadline of one call to the target, retries included: above ``retry_s`` (60 s: a replica
+# replaced, its model loaded) plus a verify of a long prompt on CPU; only a hung replica reaches it.
+DEFAULT_CALL_TIMEOUT_S = 120.0
+# A drafter call's deadline. A round costs ~75 ms on 2 CPU cores, a zoo drafter's propose
+# ~20-50 ms of it, and a session's first propose (prefill of a long prompt, or a white-box head's
+# rows) a few hundred ms; 2 s is ~25 rounds, well above any of them, and what a round loses at
+# most, once a cooldown, when the drafter is down (then every session skips it at no cost).
+DEFAULT_DRAFTER_TIMEOUT_S = 2.0
+# How long a failed drafter is skipped before one call probes it again: about what Serve takes to
+# replace a killed replica and load a zoo drafter on CPU; a probe of a drafter still down costs one
+# round at most ``drafter_timeout_s``, once per cooldown for the whole router.
+DEFAULT_COOLDOWN_S = 10.0
 
 
 class DeploymentCaller:
     """Blocking calls to one deployment, with session affinity and retries on lost replicas."""
 
     def __init__(self, handle: Any, what: str, transport: str = "grpc", retry_s: float = 60.0,
-                 direct: DirectRoutes | None = None):
+                 direct: DirectRoutes | None = None, timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
         self.handle = handle
         self.what = what  # "the target", "drafter 'code'": for messages
         self.by_reference = transport == "actor"
         self.retry_s = retry_s
+        self.timeout_s = timeout_s  # a call's overall deadline, retries included
         self.direct = direct  # same-node direct routes per session (specpool/services/direct.py); None: Serve only
+        # Until DirectRoutes.call takes a deadline (the lead's wiring), its calls go without one.
+        self._direct_deadline = direct is not None and "timeout_s" in inspect.signature(direct.call).parameters
 
     def call(self, method: str, message: Any, session_id: str = "") -> Any:
+        deadline = time.monotonic() + self.timeout_s
         if self.direct is None or not session_id:
-            return self._through_serve(method, message, session_id)
-        response = self.direct.call(method, message, session_id)
+            return self._through_serve(method, message, session_id, deadline)
+        extra = {"timeout_s": self.timeout_s} if self._direct_deadline else {}
+        response = self.direct.call(method, message, session_id, **extra)
         if response is None:  # no route yet, or its replica is gone: Serve routes it, and its route is kept
-            response = self._through_serve(method, message, session_id)
+            response = self._through_serve(method, message, session_id, deadline)
             if method != "Release":
                 self.direct.learn(session_id, response)
         if method == "Release":
             self.direct.forget(session_id)
         return response
 
-    def _through_serve(self, method: str, message: Any, session_id: str) -> Any:
-        deadline = time.monotonic() + self.retry_s
+    def _through_serve(self, method: str, message: Any, session_id: str, deadline: float) -> Any:
+        retry_until = min(deadline, time.monotonic() + self.retry_s)
         delay = 0.05
         while True:
             try:
                 options: dict = {"method_name": method, "_by_reference": self.by_reference}
                 if session_id:
                     options["session_id"] = session_id
-                return self.handle.options(**options).remote(message).result()
-            except Exception as exc:  # noqa: BLE001 - sorted below: domain error, lost replica, other
+                left = max(0.001, deadline - time.monotonic())
+                return self.handle.options(**options).remote(message).result(timeout_s=left)
+            except Exception as exc:  # noqa: BLE001 - sorted below: domain error, timeout, lost replica, other
                 cause = unwrap(exc)
                 if isinstance(cause, SpecpoolError):
                     raise cause from None
+                if isinstance(cause, TimeoutError):  # Ray's GetTimeoutError is one too
+                    raise DeadlineExceeded(f"{self.what} did not answer {method} within {self.timeout_s:g} s") from None
                 if not is_unavailable(exc):
                     raise
-                if time.monotonic() + delay > deadline:
+                if time.monotonic() + delay > retry_until:
                     raise ModelUnavailable(
-                        f"{self.what} is unavailable ({type(cause).__name__}); gave up after {self.retry_s:.0f} s of retries"
+                        f"{self.what} is unavailable ({type(cause).__name__}); gave up after "
+                        f"{min(self.retry_s, self.timeout_s):g} s of retries"
                     ) from None
                 time.sleep(delay)  # the controller is replacing the replica; the ring then moves the session
                 delay = min(1.0, delay * 2)
@@ -223,10 +255,20 @@ class RemoteDrafter:
 
     Features (white-box): per session, the position up to which this deployment has been sent
     the router's rows (``FeatureRelay``); a Propose or Replay carries the rows from there, and a
-    deployment that lost the session's rows answers with the position to resend from."""
+    deployment that lost the session's rows answers with the position to resend from.
+
+    Degradation (the module's docstring): a Propose, Replay or Release that fails in any way
+    answers "nothing" (an empty proposal, no replay count); the failure is counted in
+    ``failures[reason]`` and passed to ``on_failure(name, reason)``, reason "unavailable" (the
+    deployment or its replica is gone), "timeout" (no answer within the caller's deadline) or
+    "error" (anything else the drafter raised: a bug or a request it cannot draft for, which the
+    target may still serve). After "unavailable" or "timeout" the drafter is
+    *down* for ``cooldown_s``: calls are skipped at once (``skipped``), then one call probes it
+    while the others still skip; "error" marks nothing down (it may be this request's alone)."""
 
     def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None,
-                 feature_width: int = 0, relay: FeatureRelay | None = None):
+                 feature_width: int = 0, relay: FeatureRelay | None = None, cooldown_s: float = DEFAULT_COOLDOWN_S,
+                 on_failure: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.caller = caller
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -238,6 +280,62 @@ class RemoteDrafter:
         self._requests: dict[str, tuple[str, int | None]] = {}  # session -> (tenant, its request's version)
         self._sent: OrderedDict[str, int] = OrderedDict()  # session -> positions this deployment has been sent
         self._lock = threading.Lock()
+        self.cooldown_s = cooldown_s
+        self.on_failure = on_failure  # the router's metrics: specpool_drafter_failures_total{drafter, reason}
+        self.failures: Counter[str] = Counter()  # reason -> calls that failed
+        self.skipped = 0  # calls not made because the drafter was down
+        self._clock = clock
+        self._down_until = 0.0  # skip calls until then (0: up)
+
+    # -- degradation ------------------------------------------------------------------------------
+    def available(self) -> bool:
+        """Whether to call the deployment now. When a cooldown has just ended, the caller that
+        asks first probes it: the others keep skipping for one call's deadline meanwhile."""
+        with self._lock:
+            now = self._clock()
+            if not self._down_until:
+                return True
+            if now < self._down_until:
+                self.skipped += 1
+                return False
+            self._down_until = now + getattr(self.caller, "timeout_s", DEFAULT_DRAFTER_TIMEOUT_S)  # this caller probes
+            return True
+
+    def _failed(self, exc: BaseException, method: str, session_id: str) -> None:
+        cause = unwrap(exc)
+        if isinstance(cause, (DeadlineExceeded, TimeoutError)):
+            reason = "timeout"
+        elif isinstance(cause, ModelUnavailable) or is_unavailable(exc) or getattr(cause, "code", None) == "UNAVAILABLE":
+            reason = "unavailable"
+        else:
+            reason = "error"
+        with self._lock:
+            self.failures[reason] += 1
+            if reason != "error":
+                self._down_until = self._clock() + self.cooldown_s
+        logger.warning("drafter %r: %s of session %s failed (%s: %s); %s", self.name, method, session_id, reason,
+                       cause, "the round runs target-only" if reason == "error" else
+                       f"target-only rounds, and the drafter skipped for {self.cooldown_s:g} s")
+        if self.on_failure is not None:
+            self.on_failure(self.name, reason)
+
+    def _recovered(self) -> None:
+        with self._lock:
+            if self._down_until:
+                logger.info("drafter %r answers again", self.name)
+            self._down_until = 0.0
+
+    def _guarded(self, method: str, session_id: str, call: Callable[[], Any]) -> Any | None:
+        """``call()``, or None when the drafter is down or the call fails (counted)."""
+        if not self.available():
+            return None
+        try:
+            response = call()
+        except Exception as exc:  # noqa: BLE001 - a drafter's failure never fails a request (the docstring)
+            self._failed(exc, method, session_id)
+            return None
+        self._recovered()
+        return response
 
     def observe_features(self, session_id: str, features: Features) -> None:
         """``specpool.drafters.base.WhiteBox``: keep the rows (shared relay); the deployment gets
@@ -302,8 +400,9 @@ class RemoteDrafter:
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
         tenant, version = self._request_of(session_id)
-        response = self._with_features(session_id, "Propose", lambda features: convert.propose_request_to_proto(
-            session_id, context_ids, k, params, tenant=tenant, weight_version=version, features=features))
+        response = self._guarded("Propose", session_id, lambda: self._with_features(
+            session_id, "Propose", lambda features: convert.propose_request_to_proto(
+                session_id, context_ids, k, params, tenant=tenant, weight_version=version, features=features)))
         if response is None:
             return Proposal([], [])
         proposal = convert.proposal_from_proto(response)
@@ -319,8 +418,10 @@ class RemoteDrafter:
         """``specpool.drafters.base.Replayable`` over the wire: with the request's pinned weights version
         once it has one (a replay never pins one itself: it drafts nothing)."""
         tenant, version = self._request_of(session_id)
-        response = self._with_features(session_id, "Replay", lambda features: convert.replay_request_to_proto(
-            session_id, context_ids, continuation, k, params, tenant=tenant, weight_version=version, features=features))
+        response = self._guarded("Replay", session_id, lambda: self._with_features(
+            session_id, "Replay", lambda features: convert.replay_request_to_proto(
+                session_id, context_ids, continuation, k, params, tenant=tenant, weight_version=version,
+                features=features)))
         return None if response is None else convert.replay_from_proto(response)
 
     def release(self, session_id: str) -> None:
@@ -328,4 +429,6 @@ class RemoteDrafter:
             with self._lock:
                 self._sent.pop(session_id, None)
             self.relay.release(session_id)  # the loop's other white-box arms are released with it
-        self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id)
+        # A drafter that is down holds nothing worth a wait; one that lost the session frees it anyway.
+        self._guarded("Release", session_id,
+                      lambda: self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id))
