@@ -43,8 +43,12 @@ from typing import Callable, Sequence
 
 from bench.served import StreamTiming, percentile
 
-TITLE_PREFIX = "ray::ServeReplica:"  # Ray titles a Serve replica's worker "ray::ServeReplica:APP:DEPLOYMENT[.method]"
+# Ray titles a Serve replica's worker "ray::ServeReplica:APP:DEPLOYMENT[.method]" (while it starts:
+# "ray::SERVE_REPLICA::APP#DEPLOYMENT#ID:ServeReplica:APP:DEPLOYMENT.__init__").
+TITLE_MARK = "ServeReplica:"
 DEFAULT_CACHE_CAPACITY = 64  # the target's cache_capacity in the default served config
+# The most sessions a drafter keeps state for: the n-gram drafter's session_capacity (model drafters keep 64).
+DEFAULT_DRAFTER_CAPACITY = 1024
 
 
 # -- pure aggregation ----------------------------------------------------------------------------------
@@ -80,10 +84,11 @@ def latency_summary(timings: Sequence[StreamTiming], wall_s: float) -> dict:
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
 
-def session_verdict(samples: Sequence[dict], after_load: dict | None, capacity: int) -> dict:
+def session_verdict(samples: Sequence[dict], after_load: dict | None, capacity: int,
+                    drafter_capacity: int = DEFAULT_DRAFTER_CAPACITY) -> dict:
     """Whether the load left nothing behind: 0 requests running after it stopped, and the target's
     caches within ``capacity`` at every sample (bounded, not growing with requests). Drafter
-    sessions are reported (max, after) beside, with whether they stayed within the same bound."""
+    sessions are reported (max, after) beside, with whether they stayed within ``drafter_capacity``."""
     target = [s["sessions"]["target"] for s in samples if s.get("sessions", {}).get("target") is not None]
     drafters: dict[str, list[int]] = {}
     for s in samples:
@@ -91,7 +96,7 @@ def session_verdict(samples: Sequence[dict], after_load: dict | None, capacity: 
             drafters.setdefault(name, []).append(n)
     active_after = (after_load or {}).get("router_active")
     return {
-        "capacity": capacity,
+        "capacity": capacity, "drafter_capacity": drafter_capacity,
         "router_active_after_load": active_after,
         "target_caches_max": max(target) if target else None,
         "target_caches_after_load": (after_load or {}).get("target"),
@@ -99,7 +104,7 @@ def session_verdict(samples: Sequence[dict], after_load: dict | None, capacity: 
         "drafter_sessions_after_load": dict((after_load or {}).get("drafters") or {}),
         "no_active_after_load": active_after == 0,
         "target_caches_bounded": bool(target) and max(target) <= capacity,
-        "drafter_sessions_bounded": {n: max(v) <= capacity for n, v in drafters.items()},
+        "drafter_sessions_bounded": {n: max(v) <= drafter_capacity for n, v in drafters.items()},
     }
 
 
@@ -153,7 +158,8 @@ def markdown_report(report: dict, plot: str | None) -> str:
         f"| drafter sessions | {drafters_max} | {drafters_after} | {drafters_released} |",
         "",
         f"- no request running after the load: **{_yes(verdict['no_active_after_load'])}**; target caches within "
-        f"{verdict['capacity']}: **{_yes(verdict['target_caches_bounded'])}**; drafter sessions within {verdict['capacity']}: "
+        f"{verdict['capacity']}: **{_yes(verdict['target_caches_bounded'])}**; drafter sessions within "
+        f"{verdict['drafter_capacity']} (the n-gram drafter's session capacity; model drafters keep 64): "
         + (", ".join(f"{n} **{_yes(ok)}**" for n, ok in verdict["drafter_sessions_bounded"].items()) or "–"),
         "",
     ]
@@ -243,10 +249,18 @@ def replica_processes(gcs_address: str) -> dict[int, str]:
     while stack:
         pid = stack.pop()
         stack.extend(children.get(pid, []))
-        title = cmdlines.get(pid, "")
-        if title.startswith(TITLE_PREFIX):
-            found[pid] = title[len(TITLE_PREFIX):].split(" ", 1)[0].split(".", 1)[0]
+        group = replica_group(cmdlines.get(pid, ""))
+        if group is not None:
+            found[pid] = group
     return found
+
+
+def replica_group(title: str) -> str | None:
+    """"APP:DEPLOYMENT" of a Serve replica's process title; None for any other process."""
+    title = title.split(" ", 1)[0]
+    if not title.startswith("ray::") or TITLE_MARK not in title:
+        return None
+    return title.rsplit(TITLE_MARK, 1)[1].split(".", 1)[0]
 
 
 def rss_mib(pid: int) -> float | None:
@@ -434,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=None, help="seconds of warm-up for RSS growth (default duration/6, at most 300)")
     p.add_argument("--cache-capacity", type=int, default=DEFAULT_CACHE_CAPACITY,
                    help=f"the target's cache_capacity, the bound caches must stay within (default {DEFAULT_CACHE_CAPACITY})")
+    p.add_argument("--drafter-capacity", type=int, default=DEFAULT_DRAFTER_CAPACITY,
+                   help=f"the bound drafter sessions must stay within (default {DEFAULT_DRAFTER_CAPACITY})")
     p.add_argument("--request-timeout", type=float, default=300.0, help="deadline of one request in seconds (default 300)")
     p.add_argument("--out", required=True, help="output folder (report.json, README.md, rss_sessions.png)")
     return p
@@ -547,7 +563,7 @@ def build_report(args, argv, tally: Tally, wall: float, samples: list[dict], war
         "latency": latency_summary(every, wall),
         "latency_by_path": {p: latency_summary(t, wall) for p, t in tally.timings.items() if t},
         "rss": {g: rss_summary(samples, warmup, g) for g in ["total"] + [g for g in groups if g != "total"]},
-        "sessions": session_verdict(samples, after_load, args.cache_capacity),
+        "sessions": session_verdict(samples, after_load, args.cache_capacity, args.drafter_capacity),
         "after_load": after_load, "after_release": after_release,
         "samples": samples,
     }

@@ -54,9 +54,10 @@ def test_default_warmup():
 def test_session_verdict():
     samples = [_sample(0, 1, target=3, active=4, drafters={"ngram": 3}),
                _sample(10, 1, target=64, active=4, drafters={"ngram": 90})]
-    ok = loadtest.session_verdict(samples, {"router_active": 0, "target": 64, "drafters": {"ngram": 94}}, 64)
+    ok = loadtest.session_verdict(samples, {"router_active": 0, "target": 64, "drafters": {"ngram": 94}}, 64, 64)
     assert ok["no_active_after_load"] and ok["target_caches_bounded"] and ok["target_caches_max"] == 64
     assert ok["drafter_sessions_bounded"] == {"ngram": False} and ok["drafter_sessions_max"] == {"ngram": 90}
+    assert loadtest.session_verdict(samples, None, 64)["drafter_sessions_bounded"] == {"ngram": True}  # within 1024
     leaked = loadtest.session_verdict(samples + [_sample(20, 1, target=65)], {"router_active": 1, "target": 65}, 64)
     assert not leaked["no_active_after_load"] and not leaked["target_caches_bounded"]
     # No introspection at all: nothing is claimed.
@@ -120,3 +121,14 @@ def test_rss_of_this_process_and_no_replicas_of_an_unknown_cluster():
     assert loadtest.rss_mib(os.getpid()) > 1.0
     assert loadtest.rss_by_group({os.getpid(): "me:Me"})["total"] == loadtest.rss_by_group({os.getpid(): "me:Me"})["me:Me"]
     assert loadtest.replica_processes("127.0.0.1:1") == {}  # no raylet has that GCS address
+
+
+@pytest.mark.parametrize("title, group", [
+    ("ray::ServeReplica:target:Target", "target:Target"),
+    ("ray::ServeReplica:router:Router.handle_request_streaming", "router:Router"),
+    ("ray::SERVE_REPLICA::drafter-code#Drafter#ab12:ServeReplica:drafter-code:Drafter.__init__", "drafter-code:Drafter"),
+    ("ray::ServeController.listen_for_change", None), ("ray::ProxyActor", None), ("python -m pytest", None),
+    ("/usr/bin/python ServeReplica:x:y", None),
+])
+def test_replica_group_from_process_titles(title, group):
+    assert loadtest.replica_group(title) == group
