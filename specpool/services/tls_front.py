@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -139,6 +140,13 @@ class _CertificateFiles:
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
     files = _CertificateFiles(cert_file, key_file, client_ca_file)
     return grpc.dynamic_ssl_server_credentials(files.initial, files.fetch, require_client_authentication=files.client_ca)
+
+
+def free_port() -> int:
+    """A TCP port free now (for the plaintext server behind the front, e.g. Serve's proxy)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @dataclass
