@@ -1,0 +1,221 @@
+"""Integration: faults injected into a real served instance mid-stream (issue 27, item 4).
+
+Ray Serve on a local Ray cluster, the real default target, a pool of ``ngram`` and the ``code``
+zoo drafter, gRPC on loopback, and the router's session store on a *private* ``redis-server``
+this module starts (so it can be killed and restarted without touching the shared Redis).
+One deployment for the module; short outputs.
+
+- A drafter replica's process killed mid-stream (``ray.kill``): the stream finishes, its tokens equal the
+  embedded engine's, and the failure is counted in ``specpool_drafter_failures_total``.
+- The router's Redis SIGKILLed mid-stream and restarted a few tokens later: the stream finishes
+  exactly, and the session's bandit state holds every round once Redis is back (append-only file
+  with ``appendfsync always``: what was written before the kill survives the restart).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from specpool.services.client import SpecPoolClient
+
+pytestmark = pytest.mark.integration
+
+POOL = ["ngram", "code"]
+K = 5
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a loop."
+MAX_NEW = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, on a free port, persisting every write before it answers."""
+
+    def __init__(self, folder):
+        self.port = _free_port()
+        self.folder = folder
+        self.process: subprocess.Popen | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.folder), "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(self.answers, 20, f"redis-server on port {self.port}", interval=0.05)
+
+    def answers(self) -> bool:
+        try:
+            return redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+        except redis.RedisError:
+            return False
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True)
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    if server.process is not None and server.process.poll() is None:
+        server.process.terminate()
+        server.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(private_redis):
+    from specpool.services.local_serve import start_local
+    from specpool.services.serve_config import default_serve_config, plan_from_config
+
+    port, metrics_port = _free_port(), _free_port()
+    config = default_serve_config(POOL, private_redis.url, port, k=K)
+    router = next(a for a in config["applications"] if a["name"] == "router")
+    router["args"].update(redis_namespace="faults", http_api=False)
+    local = start_local(plan_from_config(config, "the test config"), metrics_port=metrics_port,
+                        progress=lambda m: print(f"[served] {m}", flush=True))
+    from ray import serve
+
+    handles = SimpleNamespace(router=serve.get_deployment_handle("Router", app_name="router"),
+                              drafters={n: serve.get_deployment_handle("Drafter", app_name=f"drafter-{n}") for n in POOL})
+    yield SimpleNamespace(local=local, address=local.address, handles=handles, metrics_url=local.metrics_url)
+    local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with SpecPoolClient(served.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """The embedded engine's greedy answer (the target's own tokens, whatever drafts)."""
+    from specpool.services.config import settings_from_env
+    from specpool.services.engine import EmbeddedEngine
+    from specpool.target.sampling import SamplingParams
+
+    engine = EmbeddedEngine.default(settings_from_env().home)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=engine.stop_token_ids())
+    return engine.generate(engine.encode_prompt(PROMPT), params, k=K, session_id=uuid.uuid4().hex,
+                           policy="metasd-ucb", pool=POOL).token_ids
+
+
+def _call(handle, method: str, *args):
+    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
+
+
+def _replicas(app: str) -> list[str]:
+    """The actor names of an application's replicas (Serve names them "SERVE_REPLICA::APP#...";
+    the state API would need the dashboard, which the test's Ray runs without)."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and f"::{app}#" in a["name"]]
+
+
+def _kill_replica(app: str) -> str:
+    """Kill the application's one replica process at once (``ray.kill``: no graceful shutdown, the
+    same death as a SIGKILL for everything calling it; Serve then starts another); its name."""
+    import ray
+
+    (name,) = _replicas(app)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return name
+
+
+def _failures(served, drafter: str) -> float:
+    text = urllib.request.urlopen(served.metrics_url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if "specpool_drafter_failures" in line.split("{")[0] and f'drafter="{drafter}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_drafter_replica_killed_mid_stream_costs_no_token(served, client, expected):
+    session = f"dkill-{uuid.uuid4().hex[:8]}"
+    tokens: list[int] = []
+    killed = None
+    # fixed:code: every round asks the code drafter, so the rounds after the kill must do without it.
+    for chunk in client.generate_stream(PROMPT, max_new_tokens=MAX_NEW, session_id=session, policy="fixed:code",
+                                        timeout=300):
+        tokens.extend(chunk.token_ids)
+        if killed is None and len(tokens) >= 8:
+            killed = _kill_replica("drafter-code")
+    assert killed is not None
+    assert tokens == expected
+    _wait(lambda: _failures(served, "code") >= 1, 60, "specpool_drafter_failures_total{drafter=code} to count it", 2)
+
+    _wait(lambda: [name for name in _replicas("drafter-code") if name != killed], 180,
+          "Serve to replace the drafter replica", interval=2)
+    _wait(lambda: _call(served.handles.drafters["code"], "Info"), 180, "the new drafter replica to answer", interval=2)
+    # Once the cooldown is over the drafter is probed and drafts again: a new request is exact too.
+    time.sleep(11)
+    again = client.generate(PROMPT, max_new_tokens=MAX_NEW, session_id=f"{session}-2", policy="fixed:code", timeout=300)
+    assert again.token_ids == expected and again.stats.draft_tokens > 0
+
+
+def test_redis_killed_and_restarted_mid_stream_finishes_exactly_and_writes_the_state_back(
+        served, client, expected, private_redis):
+    tenant, session = "faults", f"rkill-{uuid.uuid4().hex[:8]}"
+    key = f"faults:{{{tenant}}}:session:{session}"
+    tokens: list[int] = []
+    stats = None
+    killed_at = restarted_at = None
+    for chunk in client.generate_stream(PROMPT, max_new_tokens=MAX_NEW, session_id=session, tenant=tenant,
+                                        timeout=300):
+        tokens.extend(chunk.token_ids)
+        if killed_at is None and len(tokens) >= 8:
+            private_redis.kill()
+            killed_at = len(tokens)
+        elif killed_at is not None and restarted_at is None and len(tokens) >= killed_at + 12:
+            private_redis.start()  # same port and folder: the append-only file brings back what was written
+            restarted_at = len(tokens)
+        if chunk.finish_reason:
+            stats = chunk.stats
+    assert killed_at is not None and restarted_at is not None, "the stream ended before the fault was injected"
+    assert tokens == expected
+    # The rounds played while Redis was gone are written once it answers again (at a later round of
+    # the request, at its end, or at the next request): every round is in the state, once.
+    store = private_redis.client()
+
+    def written():
+        raw = store.get(key)
+        return json.loads(raw) if raw else None
+
+    client.generate("Hello", max_new_tokens=4, session_id=f"other-{uuid.uuid4().hex[:6]}", tenant=tenant, timeout=120)
+    state = _wait(written, 30, "the session's state to be written back")
+    assert stats.rounds - 1 <= state["t"] <= stats.rounds, (state["t"], stats.rounds)
