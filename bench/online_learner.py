@@ -24,7 +24,9 @@ def delete_streams(url: str, streams: list[str]) -> None:
     """Drop a run's feedback streams (each run has its own), so Redis keeps nothing of it."""
     client = redis.Redis.from_url(url)
     try:
-        client.delete(*streams)
+        for stream in streams:  # and every tenant's stream of it (one per tenant, listed in STREAM:_tenants)
+            tenants = [t.decode() for t in client.smembers(f"{stream}:_tenants")]
+            client.delete(stream, f"{stream}:_tenants", *(f"{stream}:{t}" for t in tenants))
     except redis.RedisError:
         pass
     finally:

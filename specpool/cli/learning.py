@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import replace
@@ -148,7 +148,11 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
     learner.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL", help="Redis URL of the feedback stream (default redis://127.0.0.1:6379/0)")
     learner.add_argument("--stream", default="specpool:feedback", help="stream key (default specpool:feedback)")
     learner.add_argument("--group", default="learners", help="consumer group (default learners)")
-    learner.add_argument("--consumer", default=None, help="this learner's consumer name (default learner-<pid>)")
+    learner.add_argument("--consumer", default=None,
+                         help="this learner's consumer name (default learner-<hostname>: a restarted learner takes back "
+                              "its own unacknowledged records at once)")
+    learner.add_argument("--max-variants", type=int, default=64, metavar="N",
+                         help="tenant variants held in memory; the least recently used is committed and dropped (default 64)")
     learner.add_argument("--drafters", default=None,
                          help="comma-separated drafters to train (default: every shipped zoo drafter); others are ignored")
     learner.add_argument("--once", action="store_true", help="process what the stream holds, commit, and exit")
@@ -230,14 +234,15 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
     check(args.max_records is None or args.max_records >= 1, f"--max-records must be >= 1, got {args.max_records}")
     check(args.claim_idle_s >= 0, f"--claim-idle-s must be >= 0, got {args.claim_idle_s}")
     check(args.report_every_s > 0, f"--report-every-s must be > 0, got {args.report_every_s}")
-    config = learning_config_from_args(args, drafters, claim_idle_s=args.claim_idle_s)
+    check(args.max_variants >= 1, f"--max-variants must be >= 1, got {args.max_variants}")
+    config = learning_config_from_args(args, drafters, claim_idle_s=args.claim_idle_s, max_variants=args.max_variants)
     store = open_model_store(config.store or (settings.home / "online"))  # a bad URI fails before Redis
     with _redis_hint("the learner reads its feedback there", "give --redis URL"):
         stream = RedisFeedbackStream(args.redis, stream=args.stream, group=args.group)
     # --target/--device/--dtype: cli.py's _add_model_options on the learner parser.
     context = DrafterContext(settings.home, getattr(args, "target", DEFAULT_TARGET), getattr(args, "device", "cpu"),
                              getattr(args, "dtype", "auto"))
-    consumer = args.consumer or f"learner-{os.getpid()}"
+    consumer = args.consumer or f"learner-{socket.gethostname()}"
     stop = threading.Event()
 
     def on_signal(signum, frame):

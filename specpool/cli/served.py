@@ -8,6 +8,7 @@ status 2 for bad input, 1 when the server failed or could not be reached.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -42,6 +43,12 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--api-keys", default=None, metavar="FILE",
                        help="API keys -> tenants (SHA-256 hashes; `specpool keys create`): every gRPC and HTTP request then needs "
                             "'authorization: Bearer KEY' (default: the config's api_keys_file, else $SPECPOOL_API_KEYS, else no keys)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="serve gRPC over TLS with this certificate chain (with --tls-key): a TLS front on the gRPC port, "
+                            "Serve's plaintext proxy behind it on a loopback port; the files are re-read when they change")
+    serve.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key (with --tls-cert)")
+    serve.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                       help="with --tls-cert: require client certificates signed by this CA (mutual TLS)")
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
     serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
@@ -134,6 +141,7 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         if isinstance(app, dict) and app.get("import_path") == "specpool.services.serve_app:build_router_app":
             router_args = app.setdefault("args", {})
             if args.redis_url is not None:
+                router_args.pop("redis_url_env", None)  # --redis-url wins over the config's variable
                 router_args["redis_url"] = args.redis_url
             if getattr(args, "no_http", False):
                 router_args["http_api"] = False
@@ -154,36 +162,63 @@ def cmd_serve(args: argparse.Namespace, settings) -> int:
         return 0
     check(0 <= args.metrics_port <= 65535, f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     from specpool.router.session_store import redact_url
-    from specpool.services.local_serve import start_local
+    from specpool.services.local_serve import check_port_free, start_local
     from specpool.services.serve_config import RouterArgs
 
     router = RouterArgs.parse(plan.router.args)
+    public_port = plan.grpc_port
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        from specpool.services.tls_front import free_port, server_credentials
+
+        check(bool(args.tls_cert and args.tls_key), "--tls-cert and --tls-key go together")
+        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # bad files: one line, before Ray starts
+        check_port_free(public_port, "gRPC (TLS)")
+        # Serve's proxy (plaintext) moves to a free port; only the TLS front listens on the public one.
+        plan = dataclasses.replace(plan, grpc_port=free_port())
 
     def say(message: str) -> None:
         print(f"specpool: {message}", file=sys.stderr, flush=True)
 
-    def on_term(signum, frame):  # `kill` stops as cleanly as Ctrl-C
+    def on_term(signum, frame):  # `kill` (a pod's termination) stops as cleanly as Ctrl-C
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    local = None
+    local = front = None
     try:
         local = start_local(plan, metrics_port=args.metrics_port or None, progress=say)
-        print(f"specpool: serving specpool.v1.SpecPool on {local.address} (gRPC; health checking and reflection too)", flush=True)
+        if args.tls_cert:
+            from specpool.services.tls_front import start_tls_front
+
+            front = start_tls_front(f"0.0.0.0:{public_port}", local.address, args.tls_cert, args.tls_key, args.tls_client_ca)
+        # ray.init installed its own SIGTERM handler (it exits at once, with a traceback from
+        # wherever the main thread was): ours again, so SIGTERM drains like Ctrl-C.
+        signal.signal(signal.SIGTERM, on_term)
+        if front is not None:
+            mutual = ", client certificates required" if args.tls_client_ca else ""
+            print(f"specpool: serving specpool.v1.SpecPool on 0.0.0.0:{public_port} (gRPC over TLS{mutual}; health checking "
+                  f"and reflection too), Serve's plaintext proxy behind it on {local.address}", flush=True)
+        else:
+            print(f"specpool: serving specpool.v1.SpecPool on {local.address} (gRPC; health checking and reflection too)", flush=True)
         if local.http_url:
             print(f"  OpenAI-compatible HTTP API: {local.http_url} (chat/completions, completions, models; /health)", flush=True)
         keys = "API keys from " + (router.api_keys_file or "$SPECPOOL_API_KEYS") if _keys_on(router) else "no API keys (open)"
         print(f"  {keys}", flush=True)
         print(f"  drafters {', '.join(router.pool)}; default policy {router.policy}, k {router.k}; "
-              f"session state in {redact_url(router.redis_url)}", flush=True)
+              f"session state in {redact_url(router.resolved_redis_url())}", flush=True)
         if local.metrics_url:
             print(f"  metrics (Prometheus): {local.metrics_url}", flush=True)
         print(f"  try: specpool client generate \"Hello\" --address {local.address}    (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        say("shutting down ...")
+        # Serve's proxies stop taking requests; each replica lets its running requests finish for
+        # up to its graceful_shutdown_timeout_s (Serve's default, 20 s), then cancels them, which
+        # frees their sessions' caches (Orchestrator.run). A second SIGTERM meanwhile is ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        say("shutting down: new requests are refused, running ones may finish (up to 20 s) ...")
     finally:
+        if front is not None:
+            front.stop(20.0)  # its calls in flight end with the proxy's (Serve's grace is 20 s too)
         if local is not None:
             local.shutdown()
         signal.signal(signal.SIGTERM, previous)

@@ -179,15 +179,16 @@ class DirectRoutes:
                 self._stubs[address] = stub
             return stub
 
-    def call(self, method: str, message: Any, session_id: str) -> Any | None:
+    def call(self, method: str, message: Any, session_id: str, timeout_s: float | None = None) -> Any | None:
         """The response of a direct call, or None when the session has no route or the route is
         gone (the caller then goes through Serve). Domain errors raise as the SpecpoolError the
-        replica raised."""
+        replica raised; no answer within ``timeout_s``: DeadlineExceeded."""
         route = self.route_of(session_id)
         if route is None:
             return None
         try:
-            response = getattr(self._stub(route.address), method)(message, metadata=((TOKEN_METADATA, route.token),))
+            response = getattr(self._stub(route.address), method)(message, metadata=((TOKEN_METADATA, route.token),),
+                                                                  timeout=timeout_s)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
                 # Gone (or restarted with a new token on the same port): back to Serve, which

@@ -168,7 +168,7 @@ def start_local(
     from ray.serve.api import RunTarget
 
     router = RouterArgs.parse(plan.router.args)
-    check_redis(router.redis_url, router.redis_namespace)
+    check_redis(router.resolved_redis_url(), router.redis_namespace)
     check_port_free(plan.grpc_port, "gRPC")
     if router.http_api:
         check_port_free(plan.http_port, "HTTP")

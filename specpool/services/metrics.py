@@ -10,6 +10,7 @@
 | ``specpool_block_divergence`` (histogram) | tenant, drafter, endpoint | BD = (1/k) Σ (1 − TV(p, q)) over the k positions asked for |
 | ``specpool_accepted_length`` (histogram) | tenant, drafter, endpoint | tokens per round, bonus included |
 | ``specpool_round_seconds`` (histogram) | tenant, drafter, endpoint, part | round time split: draft, verify, router (the rest: policy, bookkeeping) |
+| ``specpool_drafter_failures`` (counter) | drafter, reason | drafter calls that failed and cost a target-only round instead (issue 27): reason "unavailable", "timeout" or "error" (specpool/services/remote.py) |
 | ``specpool_feature_bytes`` (counter) | link, drafter | white-box drafters: target features on the wire, link "target" (target -> router, drafter "none") or "drafter" (router -> that drafter); (a + 1) x width x 2 bytes a round each way |
 | ``specpool_time_to_first_token_seconds`` (histogram) | endpoint | the request's arrival at the router -> its first token ready to send |
 | ``specpool_request_seconds`` (histogram) | endpoint | end-to-end latency at the router (arrival -> last token) |
@@ -62,6 +63,7 @@ LATENCIES = {  # histograms by endpoint
     "specpool_inter_token_seconds": ("Per request: (last token - first token) / (tokens - 1)", TOKEN_GAP_BUCKETS),
 }
 IN_FLIGHT = ("specpool_requests_in_flight", "Requests between arrival and the end of their answer")
+DRAFTER_FAILURES = ("specpool_drafter_failures", "Drafter calls that failed; their rounds ran target-only")
 FEATURE_BYTES = ("specpool_feature_bytes", "Bytes of the target's features on the wire (white-box drafters), by link")
 ROUND_SECONDS = ("specpool_round_seconds", "Round wall time by part: draft, verify, router (policy and bookkeeping)", SECONDS_BUCKETS)
 
@@ -149,6 +151,9 @@ class NoMetrics:
     def feature_bytes(self, link: str, drafter: str, count: int) -> None:
         pass
 
+    def drafter_failure(self, drafter: str, reason: str) -> None:
+        pass
+
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         pass
 
@@ -175,6 +180,8 @@ class PrometheusMetrics:
         self._seconds = prom.Histogram(ROUND_SECONDS[0], ROUND_SECONDS[1], (*labels, "part"), buckets=ROUND_SECONDS[2],
                                        registry=self.registry)
         self._feature_bytes = prom.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], ("link", "drafter"), registry=self.registry)
+        self._drafter_failures = prom.Counter(DRAFTER_FAILURES[0], DRAFTER_FAILURES[1], ("drafter", "reason"),
+                                              registry=self.registry)
         self._latencies = {name: prom.Histogram(name, doc, ("endpoint",), buckets=buckets, registry=self.registry)
                            for name, (doc, buckets) in LATENCIES.items()}
         self._in_flight = prom.Gauge(IN_FLIGHT[0], IN_FLIGHT[1], ("endpoint",), registry=self.registry)
@@ -192,6 +199,9 @@ class PrometheusMetrics:
     def feature_bytes(self, link: str, drafter: str, count: int) -> None:
         """Features carried by one call: ``link`` "target" (verify responses) or "drafter" (propose/replay)."""
         self._feature_bytes.labels(link=link, drafter=drafter).inc(count)
+
+    def drafter_failure(self, drafter: str, reason: str) -> None:
+        self._drafter_failures.labels(drafter=drafter, reason=reason).inc()
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)
@@ -220,6 +230,7 @@ class RayMetrics:
         self._seconds = ray_metrics.Histogram(ROUND_SECONDS[0], ROUND_SECONDS[1], boundaries=list(ROUND_SECONDS[2]),
                                               tag_keys=(*labels, "part"))
         self._feature_bytes = ray_metrics.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], tag_keys=("link", "drafter"))
+        self._drafter_failures = ray_metrics.Counter(DRAFTER_FAILURES[0], DRAFTER_FAILURES[1], tag_keys=("drafter", "reason"))
         self._latencies = {name: ray_metrics.Histogram(name, doc, boundaries=list(buckets), tag_keys=("endpoint",))
                            for name, (doc, buckets) in LATENCIES.items()}
         self._in_flight = ray_metrics.Gauge(IN_FLIGHT[0], IN_FLIGHT[1], tag_keys=("endpoint",))
@@ -250,6 +261,9 @@ class RayMetrics:
     def feature_bytes(self, link: str, drafter: str, count: int) -> None:
         if count:
             self._feature_bytes.inc(count, tags={"link": link, "drafter": drafter})
+
+    def drafter_failure(self, drafter: str, reason: str) -> None:
+        self._drafter_failures.inc(1, tags={"drafter": drafter, "reason": reason})
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)

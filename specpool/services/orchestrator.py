@@ -385,6 +385,8 @@ class Orchestrator:
         finally:
             for drafter in pinning:
                 drafter.end_request(prepared.cache_id)
+            if isinstance(prepared.chooser, BanditChooser):
+                prepared.chooser.finish()  # rounds a store outage held back: written now, or by a later request
         return self._outcome(prepared, text, result)
 
     def _outcome(self, prepared: Prepared, text: IncrementalDetokenizer, result: GenerationResult) -> Outcome:

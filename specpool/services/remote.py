@@ -44,7 +44,6 @@ from there.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -92,15 +91,12 @@ class DeploymentCaller:
         self.retry_s = retry_s
         self.timeout_s = timeout_s  # a call's overall deadline, retries included
         self.direct = direct  # same-node direct routes per session (specpool/services/direct.py); None: Serve only
-        # Until DirectRoutes.call takes a deadline (the lead's wiring), its calls go without one.
-        self._direct_deadline = direct is not None and "timeout_s" in inspect.signature(direct.call).parameters
 
     def call(self, method: str, message: Any, session_id: str = "") -> Any:
         deadline = time.monotonic() + self.timeout_s
         if self.direct is None or not session_id:
             return self._through_serve(method, message, session_id, deadline)
-        extra = {"timeout_s": self.timeout_s} if self._direct_deadline else {}
-        response = self.direct.call(method, message, session_id, **extra)
+        response = self.direct.call(method, message, session_id, timeout_s=self.timeout_s)
         if response is None:  # no route yet, or its replica is gone: Serve routes it, and its route is kept
             response = self._through_serve(method, message, session_id, deadline)
             if method != "Release":

@@ -265,7 +265,8 @@ class DrafterServer:
         self.variants = None  # learned versions per tenant (online learning), when a model store is set
         if args.model_store is not None:
             if learnable(self.drafter):
-                self.variants = ServedVariants(self.drafter, open_model_store(args.model_store), args.learn_shared, args.refresh_s)
+                self.variants = ServedVariants(self.drafter, open_model_store(args.model_store), args.learn_shared,
+                                               args.refresh_s, max_tenants=args.max_tenants)
             else:
                 logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
@@ -396,7 +397,7 @@ class RouterServer:
     async def __init__(self, args: RouterArgs):
         _quick_thread_switches()  # request threads and Serve's loop hand over on every model call
         self.args = args
-        self.store = RedisSessionStore(args.redis_url, ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
+        self.store = RedisSessionStore(args.resolved_redis_url(), ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
         target = serve.get_deployment_handle("Target", app_name=args.target_app)
         info = await target.options(method_name="Info").remote()
         drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps}
@@ -424,15 +425,17 @@ class RouterServer:
             if width and width != self._relay.width:
                 raise IncompatibleModels(f"drafter {name!r} reads features of width {width}, but the target "
                                          f"{info['model']} returns width {self._relay.width}")
-            drafters[name] = RemoteDrafter(name, DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s,
-                                                                  routes("drafter")), fingerprint, width,
-                                           self._relay if width else None)
+            caller = DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s, routes("drafter"),
+                                      timeout_s=args.drafter_timeout_s)
+            drafters[name] = RemoteDrafter(name, caller, fingerprint, width, self._relay if width else None)
         self._drafters = drafters
-        self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target")))
+        self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"),
+                                                         timeout_s=args.call_timeout_s))
         metrics = RayMetrics()
         self._verifier.features_received.observer = lambda count: metrics.feature_bytes("target", "none", count)
         for name, drafter in drafters.items():
             drafter.features_sent.observer = lambda count, name=name: metrics.feature_bytes("drafter", name, count)
+            drafter.on_failure = metrics.drafter_failure
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
@@ -489,7 +492,7 @@ class RouterServer:
         """Online learning: verification feedback to a Redis stream for `specpool learner`."""
         if not args.feedback:
             return None
-        emitter = FeedbackEmitter(RedisFeedbackStream(args.redis_url, stream=args.feedback_stream))
+        emitter = FeedbackEmitter(RedisFeedbackStream(args.resolved_redis_url(), stream=args.feedback_stream, maxlen=args.feedback_maxlen))
         return EmittedFeedback(emitter, args.feedback_top_k, frozenset(args.feedback_opt_out))
 
     async def Feedback(self) -> dict:

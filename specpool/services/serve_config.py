@@ -164,6 +164,11 @@ class RouterArgs:
     probe_rounds: int = DEFAULT_PROBE_ROUNDS  # ucb-replay: a session's first rounds in which every drafter is replayed
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # when a request leaves max_new_tokens at 0
     retry_s: float = 60.0  # how long a round retries a model server that is unavailable (replica replaced)
+    # Deadlines (specpool/services/remote.py says why these values): a drafter call's, after which
+    # the round runs target-only and the drafter is skipped for a cooldown; and any call's to the
+    # target, retries included, after which the request fails with DEADLINE_EXCEEDED.
+    drafter_timeout_s: float = 2.0
+    call_timeout_s: float = 120.0
     transport: str = "grpc"  # "grpc": calls to the target and drafters travel over Serve's replica gRPC; "actor": Ray actor calls
     # After a session's first call through Serve, call the replica holding its caches directly when
     # it is on the router's node (specpool/services/direct.py); false: every call through Serve.
@@ -180,6 +185,22 @@ class RouterArgs:
     # API keys -> tenants (specpool/services/auth.py): a key file of SHA-256 hashes; None: the
     # SPECPOOL_API_KEYS environment variable if set, else no keys (every request names its tenant).
     api_keys_file: str | None = None
+    # Read the Redis URL from this environment variable of the router's process instead of
+    # redis_url (Kubernetes: the password comes from a Secret through env; serveConfigV2 cannot
+    # expand variables, and a URL written there would show its password in the Serve config).
+    redis_url_env: str | None = None
+
+    def resolved_redis_url(self, environ: Mapping[str, str] | None = None) -> str:
+        """The Redis URL to connect to: redis_url, or the value of $redis_url_env (read where the
+        router runs, not where the config is parsed)."""
+        if self.redis_url_env is None:
+            return self.redis_url
+        url = (os.environ if environ is None else environ).get(self.redis_url_env, "")
+        if not url:
+            raise InvalidArgument(f"router args: redis_url_env is {self.redis_url_env}, but that environment variable is not set here")
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgument(f"router args: ${self.redis_url_env} must be redis://HOST:PORT/DB, rediss://... or unix:///path")
+        return url
 
     @property
     def pool(self) -> list[str]:
@@ -209,6 +230,13 @@ class RouterArgs:
             if not url.startswith(("redis://", "rediss://", "unix://")):
                 raise InvalidArgument(f"{where}: redis_url must be redis://HOST:PORT/DB, rediss://... or unix:///path, got {url!r}")
             out["redis_url"] = url
+        if args.get("redis_url_env") is not None:
+            if "redis_url" in args:
+                raise InvalidArgument(f"{where}: give redis_url or redis_url_env, not both")
+            name = _str(where, "redis_url_env", args["redis_url_env"])
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise InvalidArgument(f"{where}: redis_url_env must be an environment variable name, got {name!r}")
+            out["redis_url_env"] = name
         if "policy" in args:
             out["policy"] = _str(where, "policy", args["policy"])
         if "k" in args:
@@ -239,6 +267,9 @@ class RouterArgs:
             out["max_new_tokens"] = _int(where, "max_new_tokens", args["max_new_tokens"], 1)
         if "retry_s" in args:
             out["retry_s"] = _float(where, "retry_s", args["retry_s"])
+        for name in ("drafter_timeout_s", "call_timeout_s"):
+            if name in args:
+                out[name] = _float(where, name, args[name], 0.0, inclusive=False)
         if "transport" in args:
             if args["transport"] not in ("grpc", "actor"):
                 raise InvalidArgument(f"{where}: transport must be grpc or actor, got {args['transport']!r}")

@@ -357,7 +357,7 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
     tenant = f"learn-{uuid.uuid4().hex[:6]}"
 
     def records_of(who: str, session: str) -> list:
-        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(stream))
+        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(f"{stream}:{who}"))  # one stream per tenant
         return [r for r in decoded if r.tenant == who and r.session == session]
 
     def ask(who: str, session: str, max_new_tokens: int = MAX_NEW):

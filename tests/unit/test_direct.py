@@ -69,7 +69,7 @@ class ServeStandIn:
                 result = stand_in.replica.run(getattr(stand_in.replica, method_name)(message))
 
                 class _Response:
-                    def result(self):
+                    def result(self, timeout_s=None):
                         return result
                 return _Response()
         return _Call()
