@@ -43,6 +43,9 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--api-keys", default=None, metavar="FILE",
                        help="API keys -> tenants (SHA-256 hashes; `specpool keys create`): every gRPC and HTTP request then needs "
                             "'authorization: Bearer KEY' (default: the config's api_keys_file, else $SPECPOOL_API_KEYS, else no keys)")
+    serve.add_argument("--quotas", default=None, metavar="FILE",
+                       help="per-tenant quotas (max_concurrent, tokens_per_minute, max_prompt_bytes, max_new_tokens; "
+                            "specpool/services/admission.py), enforced over every router replica in Redis (default: none)")
     serve.add_argument("--tls-cert", default=None, metavar="PEM",
                        help="serve gRPC over TLS with this certificate chain (with --tls-key): a TLS front on the gRPC port, "
                             "Serve's plaintext proxy behind it on a loopback port; the files are re-read when they change")
@@ -147,6 +150,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
                 router_args["http_api"] = False
             if getattr(args, "api_keys", None) is not None:
                 router_args["api_keys_file"] = str(Path(args.api_keys).resolve())
+            if getattr(args, "quotas", None) is not None:
+                router_args["quotas_file"] = str(Path(args.quotas).resolve())
     return config, source
 
 

@@ -51,6 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from specpool.services.admission import retry_headers
 from specpool.services.api import GenerationSpec
 from specpool.services.auth import ApiKeys, bearer_token
 from specpool.services.openai_api import (PARSERS, ChunkWriter, OpenAIError, ResponseOptions, http_error, model_card,
@@ -194,8 +195,7 @@ def _failed(exc: BaseException, headers: dict | None = None) -> JSONResponse:
     if error.status >= 500:
         logger.error("HTTP request failed: %r", exc, exc_info=exc)
     response = _error_response(error)
-    if headers:
-        response.headers.update(headers)
+    response.headers.update({**(headers or {}), **retry_headers(exc)})  # a quota refusal: when to retry
     return response
 
 

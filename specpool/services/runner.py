@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import AsyncIterator, Union
 
+from specpool.services.admission import Admission, Ticket, prompt_bytes
 from specpool.services.api import GenerationSpec
 from specpool.services.detokenize import Chunk
 from specpool.services.metrics import RequestTiming
@@ -41,9 +42,10 @@ _DONE = object()
 class RequestRunner:
     """Runs requests over one ``Orchestrator`` on a thread pool (one thread per request in flight)."""
 
-    def __init__(self, core: Orchestrator, executor: Executor):
+    def __init__(self, core: Orchestrator, executor: Executor, admission: Admission | None = None):
         self.core = core
         self.executor = executor
+        self.admission = admission or Admission()  # none: no quotas, no bound
 
     @property
     def metrics(self):
@@ -56,25 +58,46 @@ class RequestRunner:
         loop = asyncio.get_running_loop()
         self.metrics.in_flight(endpoint, 1)
         clock = _Clock()
+        ticket: Ticket | None = None
+        used: int | None = None  # tokens the request consumed (its Outcome says)
+        streamed = 0  # tokens handed out so far (what a request stopped early consumed, besides its prompt)
         try:
+            job = self.executor.submit(self._prepare, spec, tenant, endpoint, clock)
             try:
-                prepared = await loop.run_in_executor(self.executor, self._prepare, spec, tenant, endpoint, clock)
+                prepared, ticket = await asyncio.wrap_future(job)
+            except asyncio.CancelledError:  # the thread may still admit it: release what it admits
+                job.add_done_callback(_release_abandoned)
+                raise
             except Exception as exc:  # noqa: BLE001 - refused before it ran: counted here
                 self.metrics.request(tenant, grpc_status(exc)[0].name, endpoint)
                 raise
             yield prepared
             async for event in self._stream(prepared, clock):
+                if isinstance(event, Chunk):
+                    streamed += len(event.token_ids)
                 yield event
+            if isinstance(event, Outcome):
+                used = event.stats.prompt_tokens + event.stats.new_tokens
             timing = clock.timing(arrived, prepared_tokens=event.stats.new_tokens if isinstance(event, Outcome) else 0)
             self.metrics.latency(endpoint, timing)
         finally:
+            if ticket is not None:  # the slot freed; unused tokens given back (a stopped request: what it streamed)
+                ticket.release(used if used is not None else len(prepared.prompt_ids) + streamed)
             self.metrics.in_flight(endpoint, -1)
 
-    def _prepare(self, spec: GenerationSpec, tenant: str, endpoint: str, clock: "_Clock") -> Prepared:
+    def _prepare(self, spec: GenerationSpec, tenant: str, endpoint: str, clock: "_Clock") -> tuple[Prepared, Ticket]:
+        """Admission (quotas: sizes and slot before tokenizing; tokens after), then the request."""
         clock.started = time.perf_counter()
-        prepared = self.core.prepare(replace(spec, tenant=tenant))
+        ticket = self.admission.precheck(tenant, prompt_bytes(spec.text, spec.messages), spec.max_new_tokens,
+                                         self.core.settings.max_new_tokens)
+        try:
+            prepared = self.core.prepare(replace(spec, tenant=tenant, max_new_tokens=ticket.max_new_tokens))
+            ticket.charge(len(prepared.prompt_ids))
+        except BaseException:
+            ticket.release(0)
+            raise
         prepared.endpoint = endpoint
-        return prepared
+        return prepared, ticket
 
     async def _stream(self, prepared: Prepared, clock: "_Clock") -> AsyncIterator[Chunk | Outcome]:
         loop = asyncio.get_running_loop()
@@ -111,6 +134,12 @@ class RequestRunner:
         """Count a request refused before it reached ``run`` (a malformed message, a bad key):
         under tenant "-", since who sent it is not established (and its label must stay bounded)."""
         self.metrics.request(tenant, grpc_status(exc)[0].name, endpoint)
+
+
+def _release_abandoned(job) -> None:
+    """A request whose caller left while it was being admitted: free what it was admitted with."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[1].release(0)
 
 
 class _Clock:

@@ -67,7 +67,7 @@ import ray
 import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from transformers import AutoTokenizer
 
 from specpool.core.errors import FailedPrecondition, IncompatibleModels, NotFound
@@ -79,6 +79,7 @@ from specpool.learning.hot_swap import ServedVariants, learnable
 from specpool.learning.model_store import open_model_store
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
+from specpool.services.admission import Admission, QuotaExceeded, load_quotas, retry_metadata
 from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
 from specpool.services.auth import ApiKeys, bearer_token, load_api_keys
 from specpool.services.config import settings_from_env
@@ -452,8 +453,12 @@ class RouterServer:
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
-        self.runner = RequestRunner(self.core, self._rounds)  # the one request path of both APIs
         self.keys: ApiKeys = load_api_keys(args.api_keys_file)
+        # Quotas per tenant over every router replica (Redis), and this replica's own bound.
+        self.admission = Admission(load_quotas(args.quotas_file, self.keys.tenants if self.keys.enabled else None),
+                                   args.resolved_redis_url(), namespace=args.redis_namespace,
+                                   max_concurrent_total=args.max_ongoing_requests)
+        self.runner = RequestRunner(self.core, self._rounds, self.admission)  # the one request path of both APIs
         self._metrics_refresh = asyncio.get_running_loop().create_task(self._refresh_metrics(metrics))
 
     @staticmethod
@@ -508,6 +513,8 @@ class RouterServer:
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(message)
+            if retry := retry_metadata(exc):  # a quota refusal: when to retry
+                grpc_context.set_trailing_metadata(retry)
         if code.name == "INTERNAL":
             logger.error("request failed: %r", exc, exc_info=exc)
         raise _Failed(f"{code.name}: {message}") from None
@@ -534,6 +541,16 @@ class RouterServer:
             outcome = await self.runner.generate(spec, "grpc", tenant)
         except asyncio.CancelledError:
             raise
+        except QuotaExceeded as exc:
+            # Ray Serve 2.60 carries trailing metadata only when the method returns (a raise keeps
+            # code and details alone): set the status and its retry hint, return an empty answer.
+            code, message = grpc_status(exc)
+            if grpc_context is None:
+                raise
+            grpc_context.set_code(code)
+            grpc_context.set_details(message)
+            grpc_context.set_trailing_metadata(retry_metadata(exc))
+            return specpool_pb2.GenerateResponse()
         except Exception as exc:  # noqa: BLE001 - every failure leaves through the one mapping
             self._fail(exc, grpc_context)
         return specpool_pb2.GenerateResponse(
@@ -616,5 +633,6 @@ def build_router_app(args: dict | None = None):
     parsed = RouterArgs.parse(args)
     return RouterServer.options(
         num_replicas=parsed.num_replicas, ray_actor_options=parsed.ray_actor_options,
-        max_ongoing_requests=parsed.max_ongoing_requests,
+        max_ongoing_requests=parsed.max_ongoing_requests, max_queued_requests=parsed.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
     ).bind(parsed)

@@ -185,6 +185,12 @@ class RouterArgs:
     # API keys -> tenants (specpool/services/auth.py): a key file of SHA-256 hashes; None: the
     # SPECPOOL_API_KEYS environment variable if set, else no keys (every request names its tenant).
     api_keys_file: str | None = None
+    # Per-tenant quotas (specpool/services/admission.py): max_concurrent, tokens_per_minute,
+    # max_prompt_bytes, max_new_tokens, shared over router replicas in Redis; None: no quotas.
+    quotas_file: str | None = None
+    # Serve's bounded queue in front of each router replica: a request past it is refused at once
+    # (gRPC RESOURCE_EXHAUSTED; HTTP 429 with Retry-After) instead of waiting; -1: unbounded.
+    max_queued_requests: int = 256
     # Read the Redis URL from this environment variable of the router's process instead of
     # redis_url (Kubernetes: the password comes from a Secret through env; serveConfigV2 cannot
     # expand variables, and a URL written there would show its password in the Serve config).
@@ -297,10 +303,27 @@ class RouterArgs:
             out["http_api"] = args["http_api"]
         if args.get("api_keys_file") is not None:
             out["api_keys_file"] = _str(where, "api_keys_file", args["api_keys_file"])
+        if args.get("quotas_file") is not None:
+            out["quotas_file"] = _str(where, "quotas_file", args["quotas_file"])
+        if "max_queued_requests" in args:
+            queued = args["max_queued_requests"]
+            if queued != -1:
+                queued = _int(where, "max_queued_requests", queued, 1)
+            out["max_queued_requests"] = queued
         parsed = cls(**out)
         parsed.check_policy()
         parsed.check_api_keys()
+        parsed.check_quotas()
         return parsed
+
+    def check_quotas(self) -> None:
+        """A missing or malformed quota file, or a quota for a tenant no API key acts as, is one
+        clear line at start-up."""
+        from specpool.services.admission import load_quotas
+        from specpool.services.auth import load_api_keys
+
+        keys = load_api_keys(self.api_keys_file)
+        load_quotas(self.quotas_file, keys.tenants if keys.enabled else None)
 
     def check_api_keys(self) -> None:
         """A key file that is missing or malformed is one clear line at start-up, not a router

@@ -476,3 +476,29 @@ def test_a_cancelled_unary_request_stops_the_loop(served):
     assert served.core.active_sessions() == []
     assert "default/unary-gone" not in served.verifier.caches.sessions()
     assert served.requests("CANCELLED", "default") == cancelled + 1
+
+
+def test_quotas_answer_429_with_retry_after_and_400_for_what_never_fits(served):
+    import uuid
+
+    import redis
+
+    from specpool.services.admission import Admission, parse_quotas
+
+    ns = f"test-http-admission-{uuid.uuid4().hex[:8]}"
+    quotas = parse_quotas({"default": {"tokens_per_minute": 300, "max_new_tokens": 100}}, "quotas.yaml")
+    runner = RequestRunner(served.core, ThreadPoolExecutor(2), Admission(quotas, namespace=ns))
+    try:
+        with TestClient(build_openai_app(runner, ApiKeys.open(), served.health)) as client:
+            assert_error(client.post("/v1/completions", json=body(served, "completions", max_tokens=101)), 400)
+            hog = runner.admission.admit("default", 1, 100, prompt_tokens=190)  # the tenant's minute, taken elsewhere
+            resp = client.post("/v1/completions", json=body(served, "completions", max_tokens=100))
+            hog.release(0)  # given back: the next one passes
+            assert_error(resp, 429, code="rate_limit_exceeded")
+            assert int(resp.headers["retry-after"]) >= 1 and int(resp.headers["retry-after-ms"]) > 0
+            assert "retry in" in resp.json()["error"]["message"]
+            assert client.post("/v1/completions", json=body(served, "completions", max_tokens=100)).status_code == 200
+    finally:
+        client_ = redis.Redis()
+        for key in client_.scan_iter(f"{ns}:*"):
+            client_.delete(key)

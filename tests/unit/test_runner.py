@@ -144,3 +144,99 @@ def test_refusals_are_counted_by_status(setup):
     assert sample(metrics, "specpool_requests_in_flight", endpoint="http") == 0
     assert sample(metrics, "specpool_request_seconds_count", endpoint="http") == 0  # latencies: answered requests only
 
+
+
+# -- admission (specpool/services/admission.py) -----------------------------------------------------
+@pytest.fixture
+def quota_namespace():
+    import uuid
+
+    import redis
+
+    client = redis.Redis()
+    ns = f"test-runner-admission-{uuid.uuid4().hex[:8]}"
+    yield ns
+    for key in client.scan_iter(f"{ns}:*"):
+        client.delete(key)
+
+
+def admitted_runner(runner: RequestRunner, namespace: str, **limits) -> RequestRunner:
+    from specpool.services.admission import Admission, parse_quotas
+
+    return RequestRunner(runner.core, runner.executor, Admission(parse_quotas({"default": limits}, "q"), namespace=namespace))
+
+
+def test_quotas_refuse_before_tokenizing_and_every_way_out_frees_the_slot(setup, quota_namespace):
+    from specpool.services.admission import QuotaExceeded
+
+    runner, _, metrics = setup
+    runner = admitted_runner(runner, quota_namespace, max_concurrent=1, tokens_per_minute=10_000, max_prompt_bytes=100,
+                             max_new_tokens=16)
+    with pytest.raises(InvalidArgument, match="may send at most 100"):
+        asyncio.run(collect(runner, spec(text="the " * 30)))
+    with pytest.raises(InvalidArgument, match="may ask for at most 16"):
+        asyncio.run(collect(runner, spec(max_new_tokens=17)))
+    outcome = asyncio.run(collect(runner, spec(max_new_tokens=0)))[-1]  # the server default (24), capped at 16
+    assert outcome.stats.new_tokens <= 16
+
+    async def hold_one_and_try_another():
+        events = runner.run(spec(session_id="holder", max_new_tokens=8), "http", "acme")
+        await anext(events)  # prepared: holds acme's slot
+        with pytest.raises(QuotaExceeded) as info:
+            await collect(runner, spec(session_id="other", max_new_tokens=8))
+        await events.aclose()  # a consumer that stops early frees the slot
+        return info.value
+
+    refused = asyncio.run(hold_one_and_try_another())
+    assert refused.retry_after_s > 0
+    asyncio.run(collect(runner, spec(session_id="after", max_new_tokens=8), tenant="acme"))  # admitted again
+    assert runner.admission.stats()["running"] == 0
+    assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="http", status="RESOURCE_EXHAUSTED") == 1
+
+
+def test_a_finished_request_gives_back_the_tokens_it_did_not_use(setup, quota_namespace):
+    runner, _, _ = setup
+    runner = admitted_runner(runner, quota_namespace, tokens_per_minute=200)
+    async def first_chunk_only():
+        async with contextlib.aclosing(runner.run(spec(max_new_tokens=120), "http", "acme")) as events:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    return event
+
+    for _ in range(5):  # each reserves prompt + 120 and stops after its first chunk: without refunds the second is refused
+        assert asyncio.run(first_chunk_only()) is not None
+    assert runner.admission.stats()["refused"] == {}
+
+
+def test_a_caller_that_leaves_while_its_request_is_admitted_leaves_no_slot_behind(setup, quota_namespace, monkeypatch):
+    import threading
+    import time
+
+    runner, _, _ = setup
+    runner = admitted_runner(runner, quota_namespace, max_concurrent=1)
+    entered, go = threading.Event(), threading.Event()
+    prepare = runner.core.prepare
+
+    def slow_prepare(s):  # an injected delay: the caller goes away while this thread holds the ticket
+        entered.set()
+        go.wait(10)
+        return prepare(s)
+
+    monkeypatch.setattr(runner.core, "prepare", slow_prepare)
+
+    async def leave_early():
+        task = asyncio.create_task(collect(runner, spec(max_new_tokens=4)))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_early())
+    go.set()
+    deadline = time.monotonic() + 5
+    while runner.admission.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert runner.admission.stats()["running"] == 0
+    monkeypatch.setattr(runner.core, "prepare", prepare)
+    asyncio.run(collect(runner, spec(max_new_tokens=4)))  # the tenant's one slot is free

@@ -562,3 +562,21 @@ def test_a_port_is_taken_while_something_listens_not_while_old_connections_linge
     client.close()
     server.close()
     check_port_free(port, "gRPC")  # a restarted server may bind it again
+
+
+def test_router_args_check_the_quota_file_against_the_key_files_tenants(tmp_path):
+    from specpool.core.errors import InvalidArgument
+    from specpool.services.auth import add_key
+
+    keys = tmp_path / "keys.yaml"
+    add_key(keys, "acme")
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("default: {max_concurrent: 4}\ntenants: {acme: {max_concurrent: 8}, acne: {max_concurrent: 1}}\n")
+    base = {"drafter_apps": {"code": "d"}, "api_keys_file": str(keys)}
+    with pytest.raises(InvalidArgument) as info:
+        RouterArgs.parse({**base, "quotas_file": str(quotas)})
+    assert str(info.value) == f"unknown tenant 'acne' in {quotas} (the key file has: acme)"
+    quotas.write_text("tenants: {acme: {max_concurrent: 8}}\n")
+    parsed = RouterArgs.parse({**base, "quotas_file": str(quotas), "max_queued_requests": 32})
+    assert parsed.quotas_file == str(quotas) and parsed.max_queued_requests == 32
+    assert RouterArgs.parse({"drafter_apps": {"code": "d"}}).quotas_file is None
