@@ -18,7 +18,8 @@
 | ``specpool_inter_token_seconds`` (histogram) | endpoint | per request: (last token - first token) / (tokens - 1); speculation emits tokens in bursts, so this is the mean gap a reader sees |
 | ``specpool_requests_in_flight`` (gauge) | endpoint | requests between arrival and their answer's end |
 
-``endpoint`` is ``grpc`` or ``http`` (the router's two APIs) or ``embedded``. Latencies are
+``tenant`` values are bounded (``TenantLabels``): the API key file's tenants, or the first 100 seen
+without keys; the rest count under ``other``. ``endpoint`` is ``grpc`` or ``http`` (the router's two APIs) or ``embedded``. Latencies are
 measured in the router: what happens in Serve's proxy before (a few ms) is not in them.
 Derived rates (acceptance rate = accepted / draft tokens, tokens/s, ...) are the reader's job.
 
@@ -96,6 +97,29 @@ class RequestTiming:
         return out
 
 
+class TenantLabels:
+    """The ``tenant`` label value of a tenant: every label value is a time series that Prometheus
+    keeps, so the set is bounded. With API keys, the key file's tenants (and ``default``, ``-`` for
+    refusals); any other value (an admin acting for a tenant without a key) is ``other``. Without
+    keys (tenants are whatever requests say), the first ``max_tenants`` seen keep their names and
+    the rest are ``other``. Thread-safe enough: a race admits at most a few extra names."""
+
+    OTHER = "other"
+
+    def __init__(self, known: set[str] | frozenset[str] | None = None, max_tenants: int = 100):
+        self.fixed = known is not None
+        self._names: set[str] = ({*known, "default", "-"} if known is not None else set())
+        self.max_tenants = max_tenants
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._names:
+            return tenant
+        if not self.fixed and len(self._names) < self.max_tenants:
+            self._names.add(tenant)
+            return tenant
+        return self.OTHER
+
+
 def exported_metric_labels() -> dict[str, set[str]]:
     """Every Prometheus series name Ray's metrics agent exports for these metrics (prefix
     ``ray_``, counters ``_total``, histograms ``_bucket``/``_sum``/``_count``), with its labels
@@ -168,8 +192,10 @@ class PrometheusMetrics:
     """prometheus_client metrics in their own registry (``registry``); expose it with
     ``prometheus_client.start_http_server(port, registry=...)`` or read it in tests."""
 
-    def __init__(self, registry=None):
+    def __init__(self, registry=None, tenant_labels: TenantLabels | None = None):
         import prometheus_client as prom
+
+        self.tenant = tenant_labels or TenantLabels()
 
         self.registry = registry if registry is not None else prom.CollectorRegistry()
         labels = ROUND_LABELS
@@ -187,7 +213,7 @@ class PrometheusMetrics:
         self._in_flight = prom.Gauge(IN_FLIGHT[0], IN_FLIGHT[1], ("endpoint",), registry=self.registry)
 
     def request(self, tenant: str, status: str, endpoint: str = "embedded") -> None:
-        self._requests.labels(tenant=tenant, endpoint=endpoint, status=status).inc()
+        self._requests.labels(tenant=self.tenant(tenant), endpoint=endpoint, status=status).inc()
 
     def latency(self, endpoint: str, timing: RequestTiming) -> None:
         for name, seconds in timing.observations().items():
@@ -205,7 +231,7 @@ class PrometheusMetrics:
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)
-        labels = {"tenant": tenant, "drafter": obs["drafter"], "endpoint": endpoint}
+        labels = {"tenant": self.tenant(tenant), "drafter": obs["drafter"], "endpoint": endpoint}
         for name, value in obs["counters"].items():
             if value:
                 self._counters[name].labels(**labels).inc(value)
@@ -219,8 +245,10 @@ class RayMetrics:
     """The same metrics through ``ray.util.metrics``: exported by every node's Ray metrics agent
     (Prometheus format, names prefixed ``ray_``), summed over replicas by the reader."""
 
-    def __init__(self):
+    def __init__(self, tenant_labels: TenantLabels | None = None):
         from ray.util import metrics as ray_metrics
+
+        self.tenant = tenant_labels or TenantLabels()
 
         labels = ROUND_LABELS
         self._requests = ray_metrics.Counter(REQUESTS[0], REQUESTS[1], tag_keys=("tenant", "endpoint", "status"))
@@ -239,7 +267,7 @@ class RayMetrics:
             self._in_flight.set(0, tags={"endpoint": endpoint})
 
     def request(self, tenant: str, status: str, endpoint: str = "embedded") -> None:
-        self._requests.inc(1, tags={"tenant": tenant, "endpoint": endpoint, "status": status})
+        self._requests.inc(1, tags={"tenant": self.tenant(tenant), "endpoint": endpoint, "status": status})
 
     def latency(self, endpoint: str, timing: RequestTiming) -> None:
         for name, seconds in timing.observations().items():
@@ -267,7 +295,7 @@ class RayMetrics:
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)
-        tags = {"tenant": tenant, "drafter": obs["drafter"], "endpoint": endpoint}
+        tags = {"tenant": self.tenant(tenant), "drafter": obs["drafter"], "endpoint": endpoint}
         for name, value in obs["counters"].items():
             if value:
                 self._counters[name].inc(value, tags=tags)

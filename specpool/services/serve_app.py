@@ -84,7 +84,7 @@ from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats
 from specpool.services.auth import ApiKeys, bearer_token, load_api_keys
 from specpool.services.config import settings_from_env
 from specpool.services.direct import DirectEndpoint, DirectRoutes
-from specpool.services.metrics import RayMetrics
+from specpool.services.metrics import RayMetrics, TenantLabels
 from specpool.services.orchestrator import (EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, Outcome,
                                            Prepared, ServedDrafters)
 from specpool.services.remote import DeploymentCaller, FeatureRelay, RemoteDrafter, RemoteVerifier
@@ -432,7 +432,8 @@ class RouterServer:
         self._drafters = drafters
         self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"),
                                                          timeout_s=args.call_timeout_s))
-        metrics = RayMetrics()
+        keys = load_api_keys(args.api_keys_file)  # also bounds the tenant label of the metrics
+        metrics = RayMetrics(TenantLabels(keys.tenants if keys.enabled else None))
         self._verifier.features_received.observer = lambda count: metrics.feature_bytes("target", "none", count)
         for name, drafter in drafters.items():
             drafter.features_sent.observer = lambda count, name=name: metrics.feature_bytes("drafter", name, count)
@@ -453,7 +454,7 @@ class RouterServer:
         )
         # One thread per request in flight: the loop blocks on model calls between rounds.
         self._rounds = ThreadPoolExecutor(max_workers=args.max_ongoing_requests + 2, thread_name_prefix="request")
-        self.keys: ApiKeys = load_api_keys(args.api_keys_file)
+        self.keys: ApiKeys = keys
         # Quotas per tenant over every router replica (Redis), and this replica's own bound.
         self.admission = Admission(load_quotas(args.quotas_file, self.keys.tenants if self.keys.enabled else None),
                                    args.resolved_redis_url(), namespace=args.redis_namespace,

@@ -240,3 +240,22 @@ def test_a_caller_that_leaves_while_its_request_is_admitted_leaves_no_slot_behin
     assert runner.admission.stats()["running"] == 0
     monkeypatch.setattr(runner.core, "prepare", prepare)
     asyncio.run(collect(runner, spec(max_new_tokens=4)))  # the tenant's one slot is free
+
+
+def test_tenant_labels_are_bounded():
+    from specpool.services.metrics import TenantLabels
+
+    keyed = TenantLabels({"acme", "globex"})
+    assert [keyed(t) for t in ("acme", "globex", "default", "-", "mallory", "x1")] == \
+        ["acme", "globex", "default", "-", "other", "other"]
+    open_ = TenantLabels(max_tenants=3)
+    assert [open_(f"t{i}") for i in range(5)] == ["t0", "t1", "t2", "other", "other"]
+    assert open_("t1") == "t1"  # a name once admitted keeps its series
+
+    metrics = PrometheusMetrics(tenant_labels=TenantLabels({"acme"}))
+    for tenant in ("acme", "spam1", "spam2", "spam3"):
+        metrics.request(tenant, "OK", "grpc")
+    assert sample(metrics, "specpool_requests_total", tenant="acme", endpoint="grpc", status="OK") == 1
+    assert sample(metrics, "specpool_requests_total", tenant="other", endpoint="grpc", status="OK") == 3
+    labels = {s.labels["tenant"] for m in metrics.registry.collect() for s in m.samples if "tenant" in s.labels}
+    assert labels == {"acme", "other"}
