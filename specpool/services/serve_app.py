@@ -59,7 +59,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
@@ -108,6 +108,38 @@ def _session_affinity() -> RequestRouterConfig:
     # Up to 2 fallback replicas when the session's replica is at max_ongoing_requests.
     return RequestRouterConfig(request_router_class=SESSION_AFFINITY_ROUTER,
                                request_router_kwargs={"num_fallback_replicas": 2})
+
+
+class _RecentSessions:
+    """Sessions a replica served and has not released, least recently used out past ``limit``: a
+    bookkeeping set that would otherwise grow by one entry per session for the replica's lifetime
+    (the caches themselves are bounded by their own LRU capacities)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._order: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, session_id: str) -> None:
+        self._order[session_id] = None
+        self._order.move_to_end(session_id)
+        while len(self._order) > self.limit:
+            self._order.popitem(last=False)
+
+    def update(self, session_ids) -> None:
+        for session_id in session_ids:
+            self.add(session_id)
+
+    def discard(self, session_id: str) -> None:
+        self._order.pop(session_id, None)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._order
+
+    def __iter__(self):
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 def _set_threads(threads: int) -> None:
@@ -166,7 +198,7 @@ class TargetServer:
         # Every model operation runs on this one thread: batches never overlap, and Release never
         # races a forward over the same cache.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
-        self._live: set[str] = set()  # sessions verified and not released since (LRU may drop more)
+        self._live = _RecentSessions()  # sessions verified and not released since (LRU may drop more)
         self._batch_sizes: Counter[int] = Counter()
         self._model_free = asyncio.Event()  # no verify forward running: calls may join the batch queue
         self._model_free.set()
@@ -271,7 +303,7 @@ class DrafterServer:
             else:
                 logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
-        self._live: set[str] = set()
+        self._live = _RecentSessions()  # sessions proposed for and not released (bounded like the drafters' caches)
         self._replays = 0  # Replay calls answered (side observations for ucb-replay)
         self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release, "Replay": self.Replay})
 

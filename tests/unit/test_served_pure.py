@@ -580,3 +580,17 @@ def test_router_args_check_the_quota_file_against_the_key_files_tenants(tmp_path
     parsed = RouterArgs.parse({**base, "quotas_file": str(quotas), "max_queued_requests": 32})
     assert parsed.quotas_file == str(quotas) and parsed.max_queued_requests == 32
     assert RouterArgs.parse({"drafter_apps": {"code": "d"}}).quotas_file is None
+
+
+def test_a_replicas_session_bookkeeping_is_bounded():
+    from specpool.services.serve_app import _RecentSessions
+
+    recent = _RecentSessions(limit=3)
+    for i in range(5):
+        recent.add(f"s{i}")
+    recent.add("s2")  # used again: most recent
+    recent.update(["s7"])
+    assert sorted(recent) == ["s2", "s4", "s7"] and len(recent) == 3
+    recent.discard("s4")
+    recent.discard("never")
+    assert "s4" not in recent and sorted(recent) == ["s2", "s7"]
