@@ -492,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = default_warmup(args.duration) if args.warmup is None else args.warmup
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "samples.jsonl").unlink(missing_ok=True)  # this run's samples only (written as taken)
     local, namespace, address, http_url = None, None, args.address, args.http_url
     if args.serve:
         from specpool.services.local_serve import start_local
@@ -528,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except Exception as exc:  # noqa: BLE001 - a slow answer loses one sample, not the run
                     entry["sessions_error"] = f"{type(exc).__name__}: {exc}"
             samples.append(entry)
+            # Each sample is on disk as it is taken: a run that dies (its Ray cluster killed, the
+            # machine rebooted) still leaves its RSS and session curve up to that moment.
+            with open(out / "samples.jsonl", "a", encoding="utf-8") as live:
+                live.write(json.dumps(entry) + "\n")
             return entry
 
         _say(f"{args.concurrency} sessions for {args.duration:.0f} s against {address} ...")
