@@ -179,6 +179,7 @@ class RouterArgs:
     feedback_stream: str = "specpool:feedback"
     feedback_top_k: int = 20  # entries of the target's p per position in a record (1..64)
     feedback_opt_out: tuple[str, ...] = ()  # tenants whose rounds are never sent
+    feedback_maxlen: int = 100_000  # records kept per tenant's feedback stream (MAXLEN ~)
     # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)
     # on Serve's HTTP proxy, beside gRPC; false: every HTTP path answers 404.
     http_api: bool = True
@@ -297,6 +298,8 @@ class RouterArgs:
             if not isinstance(tenants, (list, tuple)) or not all(isinstance(t, str) and TENANT_PATTERN.fullmatch(t) for t in tenants):
                 raise InvalidArgument(f"{where}: feedback_opt_out must be a list of tenant ids, got {tenants!r}")
             out["feedback_opt_out"] = tuple(tenants)
+        if "feedback_maxlen" in args:
+            out["feedback_maxlen"] = _int(where, "feedback_maxlen", args["feedback_maxlen"], 1)
         if "http_api" in args:
             if not isinstance(args["http_api"], bool):
                 raise InvalidArgument(f"{where}: http_api must be true or false, got {args['http_api']!r}")
@@ -423,6 +426,7 @@ class DrafterArgs:
     model_store: str | None = None
     learn_shared: bool = False
     refresh_s: float = 5.0
+    max_tenants: int = 256  # learned-variant slots per replica (least recently used out)
 
     @property
     def threads(self) -> int:
@@ -461,6 +465,8 @@ class DrafterArgs:
             out["learn_shared"] = args["learn_shared"]
         if "refresh_s" in args:
             out["refresh_s"] = _float(where, "refresh_s", args["refresh_s"], 0.0)
+        if "max_tenants" in args:
+            out["max_tenants"] = _int(where, "max_tenants", args["max_tenants"], 1)
         return cls(**out)
 
 

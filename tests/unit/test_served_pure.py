@@ -594,3 +594,32 @@ def test_a_replicas_session_bookkeeping_is_bounded():
     recent.discard("s4")
     recent.discard("never")
     assert "s4" not in recent and sorted(recent) == ["s2", "s7"]
+
+
+def test_the_replicas_read_only_args_their_builders_parse():
+    """Every ``args.X`` a replica's constructor (or ``self.args.X`` any method) reads must exist on
+    its args class: a missing field only shows when Serve starts the replica."""
+    import ast
+    import dataclasses
+    import inspect
+
+    import specpool.services.serve_app as serve_app
+    from specpool.services.serve_config import DrafterArgs, RouterArgs, TargetArgs
+
+    tree = ast.parse(inspect.getsource(serve_app))
+    wanted = {"TargetServer": TargetArgs, "DrafterServer": DrafterArgs, "RouterServer": RouterArgs}
+    checked = 0
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in wanted):
+        known = set(dir(wanted[cls.name])) | {f.name for f in dataclasses.fields(wanted[cls.name])}
+        for method in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(method):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                value = node.value
+                self_args = (isinstance(value, ast.Attribute) and value.attr == "args"
+                             and isinstance(value.value, ast.Name) and value.value.id == "self")
+                init_args = method.name == "__init__" and isinstance(value, ast.Name) and value.id == "args"
+                if self_args or init_args:
+                    checked += 1
+                    assert node.attr in known, f"{cls.name}.{method.name} reads args.{node.attr}, which {wanted[cls.name].__name__} lacks"
+    assert checked > 20
