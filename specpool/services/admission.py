@@ -358,7 +358,8 @@ class Admission:
         """Before tokenization. ``max_new_tokens`` as asked (0: the server's default,
         ``default_max_new_tokens``, capped at the tenant's limit)."""
         if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
-            raise InvalidArgument(f"invalid tenant {str(tenant)[:70]!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
+            raise InvalidArgument(f"invalid tenant id {str(tenant)[:70]!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+                                  "starting with a letter or digit")  # the session store's words
         quota = self.quotas.of(tenant)
         if quota.max_prompt_bytes is not None and prompt_bytes > quota.max_prompt_bytes:
             self._count("size")
