@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from bench.common import load_questions, machine_info
 from bench.served import StreamTiming, percentile
+from bench.served import _delete_namespace as delete
 
 # Ray titles a Serve replica's worker "ray::ServeReplica:APP:DEPLOYMENT[.method]" (while it starts:
 # "ray::SERVE_REPLICA::APP#DEPLOYMENT#ID:ServeReplica:APP:DEPLOYMENT.__init__").
@@ -486,7 +488,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     check_args(args)
-    from bench.common import load_questions
 
     prompts = [q.prompt for q in load_questions(Path(args.prompts), 1 << 30)]
     warmup = default_warmup(args.duration) if args.warmup is None else args.warmup
@@ -553,7 +554,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_report(args, argv, tally: Tally, wall: float, samples: list[dict], warmup: float,
                  after_load: dict | None, after_release: dict | None) -> dict:
-    from bench.common import machine_info
 
     every = tally.timings["grpc"] + tally.timings["http"]
     errors = sum(tally.errors.values())
@@ -598,7 +598,6 @@ def _delete_namespace(redis_url: str, namespace: str | None) -> None:
     """Drop the run's router state from Redis; best effort (cleanup must not hide the results)."""
     if not namespace:
         return
-    from bench.served import _delete_namespace as delete
 
     delete(redis_url, namespace)
 

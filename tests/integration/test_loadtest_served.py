@@ -79,4 +79,5 @@ def test_rss_is_sampled_for_every_deployment(report):
         assert 50 < part["start_mib"] and part["after_warmup_mib"] and part["end_mib"], (group, part)
         assert part["growth_after_warmup_pct"] is not None
     total = rss["total"]
-    assert total["end_mib"] == pytest.approx(sum(v["end_mib"] for g, v in rss.items() if g != "total"))
+    groups = [v["end_mib"] for g, v in rss.items() if g != "total"]  # each rounded to 0.1 MiB, as the total
+    assert total["end_mib"] == pytest.approx(sum(groups), abs=0.05 * (len(groups) + 1))

@@ -182,7 +182,8 @@ def test_a_drafter_replica_that_lost_the_sessions_features_gets_them_again(serve
     first = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, policy=f"fixed:{served.eagle}")
     assert first.token_ids == reference(PROMPTS[0])
     # The replica forgets the session (as a restart or an eviction would); the router does not know.
-    assert _call(served.drafter, "Release", common_pb2.ReleaseRequest(session_id=session)).released
+    # (model servers know the session as tenant/session: Orchestrator.cache_id)
+    assert _call(served.drafter, "Release", common_pb2.ReleaseRequest(session_id=f"default/{session}")).released
     resends = _call(served.router, "FeatureStats")["resends"][served.eagle]
     second = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, policy=f"fixed:{served.eagle}")
     assert second.token_ids == reference(PROMPTS[0])
