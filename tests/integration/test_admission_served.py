@@ -6,7 +6,6 @@ is refused before it reaches the target; the slot comes back when the holder can
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from redis_helpers import URL, connect_or_skip
+from serve_helpers import free_port as _free_port
 from specpool.services.api import request_to_proto
 from specpool.services.auth import add_key
 from specpool.services.serve_config import RouterArgs
@@ -25,12 +25,6 @@ pytestmark = [pytest.mark.integration,
               # Until RouterServer builds its RequestRunner with an Admission (the lead's wiring, issue 27 item 3).
               pytest.mark.skipif("quotas_file" not in RouterArgs.__dataclass_fields__,
                                  reason="the router does not read quotas_file yet")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

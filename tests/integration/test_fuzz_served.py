@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import socket
 import struct
 import time
 import uuid
@@ -41,6 +40,7 @@ from specpool.v1 import common_pb2, specpool_pb2
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
+from serve_helpers import free_port as _free_port
 
 POOL = ["ngram"]
 GRPC_REQUESTS = 10_000
@@ -51,12 +51,6 @@ MAX_RUN_TOKENS = 4  # requests that can run the model ask for at most this many 
 GREEDY_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 METHODS = ("/specpool.v1.SpecPool/Generate", "/specpool.v1.SpecPool/GenerateStream")
 INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xc0\xaf", b"\xe2\x82", b"\xf4\x90\x80\x80", b"ab\x80cd"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(handle, method: str, *args):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.request
 import uuid
@@ -31,6 +30,7 @@ from specpool.services.client import SpecPoolClient
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
 
 POOL = ["ngram"]
 MAX_NEW = 16
@@ -38,26 +38,6 @@ K = 5
 CHAT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 RAW_PROMPT = "The three primary colors are"
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "specpool-dashboard.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _call(handle, method: str, *args):
-    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
 
 
 @pytest.fixture(scope="module")

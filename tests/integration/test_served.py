@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
 POOL = ["ngram", "code"]
 MAX_NEW = 24
 K = 5
@@ -41,22 +41,6 @@ PROMPTS = [
     "What is 12 times 7? Explain briefly.",
 ]
 LONG = 400  # tokens a request would take tens of seconds for: deadlines and cancels cut it short
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +115,6 @@ def reference(engine):
         return cache[(prompt, max_new_tokens)]
 
     return answer
-
-
-def _call(handle, method: str, *args):
-    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
 
 
 def _holders(served, session: str, tenant: str = "default") -> list[str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -28,6 +27,7 @@ import pytest
 import redis
 
 from specpool.services.client import SpecPoolClient
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
 
 pytestmark = pytest.mark.integration
 
@@ -35,22 +35,6 @@ POOL = ["ngram", "code"]
 K = 5
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a loop."
 MAX_NEW = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class PrivateRedis:
@@ -131,10 +115,6 @@ def expected():
     params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=engine.stop_token_ids())
     return engine.generate(engine.encode_prompt(PROMPT), params, k=K, session_id=uuid.uuid4().hex,
                            policy="metasd-ucb", pool=POOL).token_ids
-
-
-def _call(handle, method: str, *args):
-    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
 
 
 def _replicas(app: str) -> list[str]:

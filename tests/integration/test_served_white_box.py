@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -27,6 +26,7 @@ from specpool.core.defaults import DEFAULT_TARGET
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
+from serve_helpers import free_port as _free_port, call as _call
 
 MAX_NEW = 24
 K = 5
@@ -37,16 +37,6 @@ PROMPTS = [
     # Copy-heavy: the n-gram arm has drafts accepted, so rounds carry a + 1 > 1 rows.
     "Repeat this line three times: the quick brown fox jumps over the lazy dog.",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _call(handle, method: str, *args):
-    return handle.options(method_name=method).remote(*args).result(timeout_s=60)
 
 
 def make_head(folder: Path, home: Path) -> Path:
