@@ -70,7 +70,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from specpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from specpool.router.session_store import NAMESPACE_PATTERN, TENANT_PATTERN, redact_url, redis_error_reason
@@ -302,7 +302,7 @@ class Admission:
     def __init__(self, quotas: Quotas = Quotas(), redis_url: str = "redis://127.0.0.1:6379/0", *,
                  namespace: str = "specpool", client: Any = None, max_concurrent_total: int | None = None,
                  lease_s: float = 60.0, busy_retry_s: float = 1.0, backoff_s: float = 5.0,
-                 socket_timeout_s: float = 0.5):
+                 socket_timeout_s: float = 0.5, on_event: Callable[[str, str], None] | None = None):
         if not NAMESPACE_PATTERN.fullmatch(namespace):
             raise InvalidArgument(f"invalid Redis namespace {namespace!r}: use 1-64 characters from A-Z a-z 0-9 _ . : -")
         if max_concurrent_total is not None and max_concurrent_total < 1:
@@ -316,6 +316,10 @@ class Admission:
         self.errors = 0  # Redis calls that failed (export as admission.errors)
         self.unchecked = 0  # requests admitted without their shared limits (Redis was down)
         self.refused: Counter[str] = Counter()  # by reason: concurrency, tokens, replica, size
+        # Each count is also reported as it happens, to the router's metrics
+        # (specpool_admission_events): on_event(event, tenant), event "refused_<reason>",
+        # "unchecked" or "store_error" (tenant "-": an outage is no one tenant's).
+        self.on_event = on_event
         self._lock = threading.Lock()
         self._running = 0  # this replica's admitted requests (max_concurrent_total)
         self._live: dict[str, Ticket] = {}  # tickets holding a Redis slot: their leases are renewed
@@ -362,26 +366,28 @@ class Admission:
                                   "starting with a letter or digit")  # the session store's words
         quota = self.quotas.of(tenant)
         if quota.max_prompt_bytes is not None and prompt_bytes > quota.max_prompt_bytes:
-            self._count("size")
+            self._count("size", tenant)
             raise InvalidArgument(f"the prompt has {prompt_bytes} bytes; tenant {tenant!r} may send at most "
                                   f"{quota.max_prompt_bytes} (max_prompt_bytes)")
         if max_new_tokens and quota.max_new_tokens is not None and max_new_tokens > quota.max_new_tokens:
-            self._count("size")
+            self._count("size", tenant)
             raise InvalidArgument(f"max_new_tokens is {max_new_tokens}; tenant {tenant!r} may ask for at most "
                                   f"{quota.max_new_tokens}")
         effective = max_new_tokens or default_max_new_tokens or quota.max_new_tokens or 0
         if quota.max_new_tokens is not None:
             effective = min(effective, quota.max_new_tokens)
         if quota.tokens_per_minute is not None and effective > quota.tokens_per_minute:
-            self._count("size")
+            self._count("size", tenant)
             raise InvalidArgument(f"max_new_tokens {effective} alone exceeds the tokens_per_minute of tenant {tenant!r} "
                                   f"({quota.tokens_per_minute}); ask for fewer")
         with self._lock:
-            if self.max_concurrent_total is not None and self._running >= self.max_concurrent_total:
-                self.refused["replica"] += 1
-                raise QuotaExceeded(f"this server is at its limit of {self.max_concurrent_total} requests in flight; "
-                                    f"retry in {self.busy_retry_s:g} s", self.busy_retry_s)
-            self._running += 1
+            full = self.max_concurrent_total is not None and self._running >= self.max_concurrent_total
+            if not full:
+                self._running += 1
+        if full:
+            self._count("replica", tenant)
+            raise QuotaExceeded(f"this server is at its limit of {self.max_concurrent_total} requests in flight; "
+                                f"retry in {self.busy_retry_s:g} s", self.busy_retry_s)
         ticket = Ticket(self, tenant, effective, slot=False, reserved=0, local=True)
         try:
             if quota.shared:
@@ -403,7 +409,7 @@ class Admission:
         if quota.tokens_per_minute is None or prompt_tokens <= 0:
             return
         if prompt_tokens + ticket.max_new_tokens > quota.tokens_per_minute:
-            self._count("size")
+            self._count("size", ticket.tenant)
             raise InvalidArgument(f"the prompt's {prompt_tokens} tokens plus max_new_tokens {ticket.max_new_tokens} exceed "
                                   f"the tokens_per_minute of tenant {ticket.tenant!r} ({quota.tokens_per_minute}); "
                                   "shorten the prompt or ask for fewer tokens")
@@ -437,14 +443,15 @@ class Admission:
                 ticket.unchecked = True
                 with self._lock:
                     self.unchecked += 1
+                self._report("unchecked", ticket.tenant)
             return False
         status, value = int(reply[0]), int(reply[1])
         if status == 0:
-            self._count("concurrency")
+            self._count("concurrency", ticket.tenant)
             raise QuotaExceeded(f"tenant {ticket.tenant!r} has {value} requests running, its limit (max_concurrent); "
                                 f"retry in {self.busy_retry_s:g} s", self.busy_retry_s)
         if status == 2:
-            self._count("tokens")
+            self._count("tokens", ticket.tenant)
             wait = max(value, 1) / 1000.0
             raise QuotaExceeded(f"tenant {ticket.tenant!r} is over its tokens_per_minute ({quota.tokens_per_minute}) "
                                 f"for this request's {cost} tokens; retry in {wait:.1f} s", wait)
@@ -460,6 +467,7 @@ class Admission:
             with self._lock:
                 self.errors += 1
                 self._skip_until = time.monotonic() + self.backoff_s
+            self._report("store_error", "-")
             logger.warning("admission: Redis at %s failed (%s); admitting requests without their shared quotas "
                            "for %g s", self.describe, redis_error_reason(exc), self.backoff_s)
             return None
@@ -495,9 +503,17 @@ class Admission:
             except Exception:  # noqa: BLE001 - the renewer must outlive any one failure
                 logger.warning("admission: renewing leases failed", exc_info=True)
 
-    def _count(self, reason: str) -> None:
+    def _count(self, reason: str, tenant: str) -> None:
         with self._lock:
             self.refused[reason] += 1
+        self._report(f"refused_{reason}", tenant)
+
+    def _report(self, event: str, tenant: str) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event, tenant)
+            except Exception:  # noqa: BLE001 - a metrics hiccup must not change an admission decision
+                logger.warning("admission: reporting %s failed", event, exc_info=True)
 
     def stats(self) -> dict:
         """Counters for metrics: running on this replica, Redis errors, unchecked admits, refusals."""

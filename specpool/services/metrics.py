@@ -11,6 +11,7 @@
 | ``specpool_accepted_length`` (histogram) | tenant, drafter, endpoint | tokens per round, bonus included |
 | ``specpool_round_seconds`` (histogram) | tenant, drafter, endpoint, part | round time split: draft, verify, router (the rest: policy, bookkeeping) |
 | ``specpool_drafter_failures`` (counter) | drafter, reason | drafter calls that failed and cost a target-only round instead (issue 27): reason "unavailable", "timeout" or "error" (specpool/services/remote.py) |
+| ``specpool_admission_events`` (counter) | tenant, event | admission control (specpool/services/admission.py): event ``refused_concurrency``, ``refused_tokens`` (RESOURCE_EXHAUSTED: the tenant's max_concurrent / tokens_per_minute), ``refused_replica`` (this router replica's max_ongoing_requests), ``refused_size`` (INVALID_ARGUMENT: max_prompt_bytes, max_new_tokens), ``unchecked`` (admitted without the shared limits: Redis was down), ``store_error`` (a failed Redis call; tenant ``-``) |
 | ``specpool_feature_bytes`` (counter) | link, drafter | white-box drafters: target features on the wire, link "target" (target -> router, drafter "none") or "drafter" (router -> that drafter); (a + 1) x width x 2 bytes a round each way |
 | ``specpool_time_to_first_token_seconds`` (histogram) | endpoint | the request's arrival at the router -> its first token ready to send |
 | ``specpool_request_seconds`` (histogram) | endpoint | end-to-end latency at the router (arrival -> last token) |
@@ -64,6 +65,7 @@ LATENCIES = {  # histograms by endpoint
     "specpool_inter_token_seconds": ("Per request: (last token - first token) / (tokens - 1)", TOKEN_GAP_BUCKETS),
 }
 IN_FLIGHT = ("specpool_requests_in_flight", "Requests between arrival and the end of their answer")
+ADMISSION_EVENTS = ("specpool_admission_events", "Admission control: refusals by reason, unchecked admits, Redis errors")
 DRAFTER_FAILURES = ("specpool_drafter_failures", "Drafter calls that failed; their rounds ran target-only")
 FEATURE_BYTES = ("specpool_feature_bytes", "Bytes of the target's features on the wire (white-box drafters), by link")
 ROUND_SECONDS = ("specpool_round_seconds", "Round wall time by part: draft, verify, router (policy and bookkeeping)", SECONDS_BUCKETS)
@@ -138,6 +140,8 @@ def exported_metric_labels() -> dict[str, set[str]]:
         histogram(name, ROUND_LABELS)
     histogram(ROUND_SECONDS[0], (*ROUND_LABELS, "part"))
     out[f"ray_{FEATURE_BYTES[0]}_total"] = {"link", "drafter"}
+    out[f"ray_{DRAFTER_FAILURES[0]}_total"] = {"drafter", "reason"}
+    out[f"ray_{ADMISSION_EVENTS[0]}_total"] = {"tenant", "event"}
     for name in LATENCIES:
         histogram(name, ("endpoint",))
     out[f"ray_{IN_FLIGHT[0]}"] = {"endpoint"}
@@ -178,6 +182,9 @@ class NoMetrics:
     def drafter_failure(self, drafter: str, reason: str) -> None:
         pass
 
+    def admission(self, event: str, tenant: str) -> None:
+        pass
+
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         pass
 
@@ -208,6 +215,7 @@ class PrometheusMetrics:
         self._feature_bytes = prom.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], ("link", "drafter"), registry=self.registry)
         self._drafter_failures = prom.Counter(DRAFTER_FAILURES[0], DRAFTER_FAILURES[1], ("drafter", "reason"),
                                               registry=self.registry)
+        self._admission = prom.Counter(ADMISSION_EVENTS[0], ADMISSION_EVENTS[1], ("tenant", "event"), registry=self.registry)
         self._latencies = {name: prom.Histogram(name, doc, ("endpoint",), buckets=buckets, registry=self.registry)
                            for name, (doc, buckets) in LATENCIES.items()}
         self._in_flight = prom.Gauge(IN_FLIGHT[0], IN_FLIGHT[1], ("endpoint",), registry=self.registry)
@@ -228,6 +236,10 @@ class PrometheusMetrics:
 
     def drafter_failure(self, drafter: str, reason: str) -> None:
         self._drafter_failures.labels(drafter=drafter, reason=reason).inc()
+
+    def admission(self, event: str, tenant: str) -> None:
+        """One admission event (Admission.on_event): a refusal by reason, an unchecked admit, a Redis error."""
+        self._admission.labels(tenant=self.tenant(tenant), event=event).inc()
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)
@@ -259,6 +271,7 @@ class RayMetrics:
                                               tag_keys=(*labels, "part"))
         self._feature_bytes = ray_metrics.Counter(FEATURE_BYTES[0], FEATURE_BYTES[1], tag_keys=("link", "drafter"))
         self._drafter_failures = ray_metrics.Counter(DRAFTER_FAILURES[0], DRAFTER_FAILURES[1], tag_keys=("drafter", "reason"))
+        self._admission = ray_metrics.Counter(ADMISSION_EVENTS[0], ADMISSION_EVENTS[1], tag_keys=("tenant", "event"))
         self._latencies = {name: ray_metrics.Histogram(name, doc, boundaries=list(buckets), tag_keys=("endpoint",))
                            for name, (doc, buckets) in LATENCIES.items()}
         self._in_flight = ray_metrics.Gauge(IN_FLIGHT[0], IN_FLIGHT[1], tag_keys=("endpoint",))
@@ -292,6 +305,9 @@ class RayMetrics:
 
     def drafter_failure(self, drafter: str, reason: str) -> None:
         self._drafter_failures.inc(1, tags={"drafter": drafter, "reason": reason})
+
+    def admission(self, event: str, tenant: str) -> None:
+        self._admission.inc(1, tags={"tenant": self.tenant(tenant), "event": event})
 
     def round(self, tenant: str, record: RoundRecord, endpoint: str = "embedded") -> None:
         obs = round_observations(record)

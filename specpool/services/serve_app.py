@@ -490,7 +490,7 @@ class RouterServer:
         # Quotas per tenant over every router replica (Redis), and this replica's own bound.
         self.admission = Admission(load_quotas(args.quotas_file, self.keys.tenants if self.keys.enabled else None),
                                    args.resolved_redis_url(), namespace=args.redis_namespace,
-                                   max_concurrent_total=args.max_ongoing_requests)
+                                   max_concurrent_total=args.max_ongoing_requests, on_event=metrics.admission)
         self.runner = RequestRunner(self.core, self._rounds, self.admission)  # the one request path of both APIs
         self._metrics_refresh = asyncio.get_running_loop().create_task(self._refresh_metrics(metrics))
 

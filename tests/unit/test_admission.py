@@ -319,3 +319,38 @@ def test_the_retry_hint_as_http_headers_and_grpc_trailing_metadata():
     assert retry_headers(QuotaExceeded("x", 0.0004)) == {"Retry-After": "1", "retry-after-ms": "1"}
     assert retry_metadata(QuotaExceeded("x", 30)) == [("retry-after", "30"), ("retry-after-ms", "30000")]
     assert retry_headers(ResourceExhausted("no hint")) == {} and retry_metadata(ValueError()) == []
+
+
+def test_every_counted_event_reaches_the_metrics_with_its_tenant(make):
+    """Admission.on_event feeds specpool_admission_events: the real metrics class, read back from its registry."""
+    from specpool.services.metrics import PrometheusMetrics
+
+    metrics = PrometheusMetrics()
+    a = make({"default": {"max_concurrent": 1, "max_prompt_bytes": 10}}, max_concurrent_total=2, on_event=metrics.admission)
+    held = a.precheck("acme", 1, 1)
+    refused(lambda: a.precheck("acme", 1, 1))  # the tenant's max_concurrent
+    with pytest.raises(InvalidArgument):
+        a.precheck("acme", 11, 1)  # max_prompt_bytes
+    other = a.precheck("beta", 1, 1)
+    refused(lambda: a.precheck("gamma", 1, 1))  # the replica's bound (2 running)
+    held.release(), other.release()
+    down = make({"default": {"max_concurrent": 1}}, url=DOWN_URL, on_event=metrics.admission)
+    down.precheck("acme", 1, 1).release()
+
+    def count(tenant, event):
+        return metrics.registry.get_sample_value("specpool_admission_events_total", {"tenant": tenant, "event": event}) or 0
+
+    assert count("acme", "refused_concurrency") == 1 and count("acme", "refused_size") == 1
+    assert count("gamma", "refused_replica") == 1 and count("acme", "unchecked") == 1
+    assert count("-", "store_error") == 1 and count("beta", "refused_concurrency") == 0
+    assert sum(a.stats()["refused"].values()) == 3  # the same events as the counters the replica keeps
+
+
+def test_a_failing_metrics_callback_never_changes_a_decision(make):
+    def broken(event, tenant):
+        raise RuntimeError("metrics backend down")
+
+    a = make({"default": {"max_concurrent": 1}}, on_event=broken)
+    held = a.precheck("acme", 1, 1)
+    refused(lambda: a.precheck("acme", 1, 1))  # still RESOURCE_EXHAUSTED, not the callback's error
+    held.release()
