@@ -177,12 +177,6 @@ def _set_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: 
     layer.keys, layer.values = keys, values
 
 
-# Below this share of real (not padding) entries in the batch buffer, sessions get copies of
-# their rows instead of views into it: a view keeps the whole buffer alive as long as any
-# session still holds one, and a batch of one long and many short contexts is mostly padding.
-MIN_VIEW_FILL = 0.5
-
-
 def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n_lasts: Sequence[int]) -> list[torch.Tensor]:
     """``[caches[i].logits(inputs[i], n_lasts[i]) for i]`` in ONE forward pass of the model
     (``batched_logits_and_features`` without features)."""
@@ -260,15 +254,18 @@ def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[
     logits = out.logits  # (B, U, V)
     column = {j: u for u, j in enumerate(wanted)}
 
-    real = sum(keep + len(new) for keep, new in zip(keeps, news))
-    views = real >= MIN_VIEW_FILL * batch * (past + width)
+    # Each session gets a copy of its rows, never a view into the batch buffer: a view keeps the
+    # whole buffer (every session of the batch, padding included) alive for as long as any one
+    # session holds it, and finished sessions keep their caches (keep_caches) until the LRU drops
+    # them. Measured with 64 kept sessions: views held 2.4x the KV bytes the sessions own
+    # (1,061 vs 444 MiB) and the served target's RSS kept climbing; a copy costs ~1 ms a round.
     results = []
     for i, (cache, ids, new, keep, m) in enumerate(zip(caches, inputs, news, keeps, n_lasts)):
         n = len(new)
         for layer_idx, layer in enumerate(batch_cache.layers):
             keys = layer.keys[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
             values = layer.values[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
-            _set_layer(cache.cache, layer_idx, keys if views else keys.clone(), values if views else values.clone())
+            _set_layer(cache.cache, layer_idx, keys.clone(), values.clone())
         cache.token_ids = list(ids)
         rows = Features(keep, hidden[i, :n]) if hidden is not None else None  # (n_i, d)
         results.append((logits[i, column[n - m] : column[n - 1] + 1], rows))  # (n_last, V)

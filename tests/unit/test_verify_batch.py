@@ -93,15 +93,9 @@ def request(drafters, name, session_id, context, k, params, return_top_k=0) -> V
 
 # -- batched_logits: the padded forward itself ---------------------------------------------------------
 
-# Sessions either keep views into the batch buffer or copies of their rows (kv_cache.MIN_VIEW_FILL).
-ROW_STORAGE = pytest.mark.parametrize("min_view_fill", [0.0, 2.0], ids=["views", "copies"])
-
-
-@ROW_STORAGE
-def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm, monkeypatch, min_view_fill):
+def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm):
     """Caches in every state (fresh, extended, branched, shorter than cached, n_last past the
     cached prefix) batched together give the per-cache logits and end up holding their input."""
-    monkeypatch.setattr("specpool.target.kv_cache.MIN_VIEW_FILL", min_view_fill)
     model, _ = target_lm
     rng = random.Random(5)
     base = [[1] + [rng.randrange(3, 64) for _ in range(n)] for n in (0, 4, 11, 19, 7, 30)]
@@ -129,6 +123,25 @@ def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm, mo
         # The cache keeps working on its own afterwards.
         probe = ids + [8, 9]
         torch.testing.assert_close(batched[i].logits(probe, 3), fresh_logits(model, probe, 3), atol=ATOL, rtol=1e-4)
+
+
+def test_after_a_batch_each_cache_owns_only_its_own_rows(target_lm):
+    """Memory: a session kept after its request (keep_caches) must not pin the batch buffer, so
+    each cache's tensors have storage of their own, exactly their rows (no padding, no other
+    session's rows); a view into the buffer would hold all B sessions' padded rows."""
+    model, _ = target_lm
+    caches = [PrefixCache(model) for _ in range(4)]
+    inputs = [[1] + list(range(3, 3 + n)) for n in (2, 9, 30, 5)]  # very different lengths: mostly padding
+    batched_logits(caches, inputs, [1] * 4)
+    storages = set()
+    for cache, ids in zip(caches, inputs):
+        for layer in cache.cache.layers:
+            for tensor in (layer.keys, layer.values):
+                storage = tensor.untyped_storage()
+                assert storage.nbytes() == tensor.numel() * tensor.element_size()  # its rows, nothing more
+                assert tensor.shape[-2] == len(ids)
+                storages.add(storage.data_ptr())
+    assert len(storages) == 4 * 2 * len(caches[0].cache.layers)  # nothing shared between sessions
 
 
 def test_batched_logits_rejects_one_cache_twice(target_lm):
@@ -342,11 +355,9 @@ def test_unbatchable_model_falls_back_to_sequential(verifier, reference, drafter
 # -- caches after a batch ----------------------------------------------------------------------------
 
 
-@ROW_STORAGE
-def test_caches_after_batch_behave_like_fresh_ones(verifier, drafters, prompts, target_lm, monkeypatch, min_view_fill):
+def test_caches_after_batch_behave_like_fresh_ones(verifier, drafters, prompts, target_lm):
     """After batches mixing fresh, extended, branched and cropped sessions, every cache holds
     exactly context + accepted tokens, and its logits equal a fresh cache's over the same ids."""
-    monkeypatch.setattr("specpool.target.kv_cache.MIN_VIEW_FILL", min_view_fill)
     model, _ = target_lm
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=40)
     sessions = [f"f{i}" for i in range(5)]
