@@ -18,13 +18,9 @@ from redis_helpers import URL, connect_or_skip
 from serve_helpers import free_port as _free_port
 from specpool.services.api import request_to_proto
 from specpool.services.auth import add_key
-from specpool.services.serve_config import RouterArgs
 from specpool.v1 import specpool_pb2_grpc
 
-pytestmark = [pytest.mark.integration,
-              # Until RouterServer builds its RequestRunner with an Admission (the lead's wiring, issue 27 item 3).
-              pytest.mark.skipif("quotas_file" not in RouterArgs.__dataclass_fields__,
-                                 reason="the router does not read quotas_file yet")]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
