@@ -8,7 +8,8 @@
         for chunk in client.generate_stream("def fib(n):", raw=True, session_id="s1"):
             print(chunk.text, end="", flush=True)
 
-Failures raise the domain errors of ``specpool.core.errors`` (``InvalidArgument``, ``NotFound``,
+A server replica that dies under a request (Ray Serve's proxy answers INTERNAL with the actor's
+death) raises ``RemoteError`` with code ``UNAVAILABLE``: retryable. Failures raise the domain errors of ``specpool.core.errors`` (``InvalidArgument``, ``NotFound``,
 ``DeadlineExceeded``, ``Cancelled``, ``SessionBusy``, ``Unauthenticated``, ``PermissionDenied``, ...) or ``RemoteError`` for any other status;
 each carries the gRPC status name in ``code`` and the server's one-line message. Stopping a
 ``generate_stream`` iteration early (``break``, ``close()``) cancels the call, and the server stops
@@ -52,9 +53,21 @@ class RemoteError(SpecpoolError):
         self.code = code
 
 
+# How Ray Serve's gRPC proxy words a replica that died under a request (a router replica killed
+# or its node lost): it answers INTERNAL with the actor error's text (ray/serve/_private/grpc_util.py,
+# get_grpc_response_status: every RayActorError is INTERNAL), although the failure is transient
+# and a retry reaches a live or replacement replica.
+REPLICA_DIED_MARKS = ("The actor died unexpectedly", "ActorDiedError", "ActorUnavailableError", "The actor is dead")
+
+
 def error_from_rpc(exc: grpc.RpcError, address: str) -> SpecpoolError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     details = exc.details() or code
+    if code == "INTERNAL" and any(mark in details for mark in REPLICA_DIED_MARKS):
+        # UNAVAILABLE, what it is: retry, with the same session id to continue the session (its
+        # bandit state is in Redis, the target's cache survives a router's death).
+        return RemoteError("UNAVAILABLE", "the server replica handling this request died mid-request "
+                           f"({details.splitlines()[0][:120]}); retry, with the same session id to continue the session")
     if code == "UNAVAILABLE" and ("connect" in details.lower() or "unavailable" == details.lower()):
         details = f"cannot reach the specpool server at {address} ({details}); is `specpool serve` running?"
     if code == "DEADLINE_EXCEEDED" and details.lower() == "deadline exceeded":

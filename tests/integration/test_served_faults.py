@@ -5,8 +5,11 @@ zoo drafter, gRPC on loopback, and the router's session store on a *private* ``r
 this module starts (so it can be killed and restarted without touching the shared Redis).
 One deployment for the module; short outputs.
 
-- A drafter replica's process killed mid-stream (``ray.kill``): the stream finishes, its tokens equal the
+- A drafter replica's process SIGKILLed mid-stream: the stream finishes, its tokens equal the
   embedded engine's, and the failure is counted in ``specpool_drafter_failures_total``.
+- The router replica's process SIGKILLed mid-stream: the client gets UNAVAILABLE (the tokens it had
+  are the right ones), Serve starts a new router, and a retry with the same session id finishes
+  exactly, continuing the session's bandit state that the dead router had written to Redis.
 - The router's Redis SIGKILLed mid-stream and restarted a few tokens later: the stream finishes
   exactly, and the session's bandit state holds every round once Redis is back (append-only file
   with ``appendfsync always``: what was written before the kill survives the restart).
@@ -127,12 +130,19 @@ def _replicas(app: str) -> list[str]:
 
 
 def _kill_replica(app: str) -> str:
-    """Kill the application's one replica process at once (``ray.kill``: no graceful shutdown, the
-    same death as a SIGKILL for everything calling it; Serve then starts another); its name."""
+    """SIGKILL the application's one replica process (found by its process title under this
+    cluster's raylet, as the load test finds replicas): no graceful shutdown, no Ray involvement,
+    the death of an OOM kill or a lost machine. Serve then starts another. Returns its actor name."""
+    import os
+
     import ray
+    from bench.loadtest import replica_processes
 
     (name,) = _replicas(app)
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    pids = [pid for pid, group in replica_processes(ray.get_runtime_context().gcs_address).items()
+            if group.split(":", 1)[0] == app]
+    assert len(pids) == 1, f"expected one process of {app}, found {pids}"
+    os.kill(pids[0], signal.SIGKILL)
     return name
 
 
@@ -199,3 +209,44 @@ def test_redis_killed_and_restarted_mid_stream_finishes_exactly_and_writes_the_s
     client.generate("Hello", max_new_tokens=4, session_id=f"other-{uuid.uuid4().hex[:6]}", tenant=tenant, timeout=120)
     state = _wait(written, 30, "the session's state to be written back")
     assert stats.rounds - 1 <= state["t"] <= stats.rounds, (state["t"], stats.rounds)
+
+
+def test_a_router_replica_killed_mid_stream_gives_unavailable_and_a_retry_continues_the_session(
+        served, client, expected, private_redis):
+    from specpool.core.errors import SpecpoolError
+
+    tenant, session = "faults", f"rtkill-{uuid.uuid4().hex[:8]}"
+    key = f"faults:{{{tenant}}}:session:{session}"
+    tokens: list[int] = []
+    killed = None
+    with pytest.raises(SpecpoolError) as info:
+        for chunk in client.generate_stream(PROMPT, max_new_tokens=MAX_NEW, session_id=session, tenant=tenant,
+                                            timeout=300):
+            tokens.extend(chunk.token_ids)
+            if killed is None and len(tokens) >= 8:
+                killed = _kill_replica("router")
+    assert killed is not None, "the stream ended before the router was killed"
+    assert info.value.code == "UNAVAILABLE", (info.value.code, str(info.value))
+    assert tokens == expected[: len(tokens)]  # what reached the client before the kill is right
+    store = private_redis.client()
+    before = json.loads(store.get(key))["t"]  # the dead router wrote the rounds it played
+    assert before >= 1
+
+    _wait(lambda: [name for name in _replicas("router") if name != killed], 180,
+          "Serve to replace the router replica", interval=2)
+    again = _wait(lambda: _retry(client, session, tenant), 180, "a retry to be answered by the new router", interval=2)
+    assert again.token_ids == expected
+    after = json.loads(store.get(key))["t"]
+    assert after >= before + again.stats.rounds - 1, (before, again.stats.rounds, after)  # the state continued
+
+
+def _retry(client, session: str, tenant: str):
+    """The request again, same session; None while the new router is not reachable yet."""
+    from specpool.core.errors import SpecpoolError
+
+    try:
+        return client.generate(PROMPT, max_new_tokens=MAX_NEW, session_id=session, tenant=tenant, timeout=300)
+    except SpecpoolError as exc:
+        if exc.code in ("UNAVAILABLE", "NOT_FOUND"):
+            return None
+        raise

@@ -492,6 +492,12 @@ def test_client_errors_map_to_domain_classes():
     assert isinstance(error_from_rpc(Rpc(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "a:1"), DeadlineExceeded)
     other = error_from_rpc(Rpc(grpc.StatusCode.INTERNAL, "boom"), "a:1")
     assert isinstance(other, RemoteError) and other.code == "INTERNAL" and str(other) == "boom"
+    # Serve's proxy words a replica that died under the request as INTERNAL (the router killed mid-stream:
+    # tests/integration/test_served_faults.py); the client says what it is, a retryable UNAVAILABLE.
+    died = error_from_rpc(Rpc(grpc.StatusCode.INTERNAL, "The actor died unexpectedly before finishing this task.\n"
+                                                        "\tclass_name: ServeReplica:router:Router"), "a:1")
+    assert isinstance(died, RemoteError) and died.code == "UNAVAILABLE" and "retry" in str(died)
+    assert "\n" not in str(died) and "died unexpectedly" in str(died)
     assert json.dumps(api.Stats().as_dict())  # JSON-ready for --json
 
 
