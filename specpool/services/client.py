@@ -29,6 +29,7 @@ from specpool.core.errors import (
 )
 from specpool.services import api as convert
 from specpool.services.api import Stats
+from specpool.services.status import replica_died, replica_died_message
 from specpool.v1 import specpool_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -53,21 +54,13 @@ class RemoteError(SpecpoolError):
         self.code = code
 
 
-# How Ray Serve's gRPC proxy words a replica that died under a request (a router replica killed
-# or its node lost): it answers INTERNAL with the actor error's text (ray/serve/_private/grpc_util.py,
-# get_grpc_response_status: every RayActorError is INTERNAL), although the failure is transient
-# and a retry reaches a live or replacement replica.
-REPLICA_DIED_MARKS = ("The actor died unexpectedly", "ActorDiedError", "ActorUnavailableError", "The actor is dead")
-
-
 def error_from_rpc(exc: grpc.RpcError, address: str) -> SpecpoolError:
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     details = exc.details() or code
-    if code == "INTERNAL" and any(mark in details for mark in REPLICA_DIED_MARKS):
+    if replica_died(exc.code(), details):
         # UNAVAILABLE, what it is: retry, with the same session id to continue the session (its
         # bandit state is in Redis, the target's cache survives a router's death).
-        return RemoteError("UNAVAILABLE", "the server replica handling this request died mid-request "
-                           f"({details.splitlines()[0][:120]}); retry, with the same session id to continue the session")
+        return RemoteError("UNAVAILABLE", replica_died_message(details))
     if code == "UNAVAILABLE" and ("connect" in details.lower() or "unavailable" == details.lower()):
         details = f"cannot reach the specpool server at {address} ({details}); is `specpool serve` running?"
     if code == "DEADLINE_EXCEEDED" and details.lower() == "deadline exceeded":

@@ -80,3 +80,22 @@ def is_unavailable(exc: BaseException) -> bool:
         return False
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError", "DeploymentUnavailableError"})
+
+
+# How Ray Serve's gRPC proxy words a replica that died under a request (the router replica killed
+# mid-stream, or its node lost): INTERNAL with the actor error's text, because its
+# get_grpc_response_status (ray/serve/_private/grpc_util.py) makes every RayActorError INTERNAL. The
+# failure is transient: a retry reaches a live or replacement replica. Serve's proxy is not ours
+# to change, so what sits between it and the caller (the client, the TLS front) says UNAVAILABLE.
+REPLICA_DIED_MARKS = ("The actor died unexpectedly", "ActorDiedError", "ActorUnavailableError", "The actor is dead")
+
+
+def replica_died(code: grpc.StatusCode | None, details: str | None) -> bool:
+    """Whether a status from Serve's proxy is a replica that died under the call (see above)."""
+    return code == grpc.StatusCode.INTERNAL and any(mark in (details or "") for mark in REPLICA_DIED_MARKS)
+
+
+def replica_died_message(details: str) -> str:
+    return ("the server replica handling this request died mid-request "
+            f"({details.splitlines()[0][:120]}); retry, with the same session id to continue the session")
+

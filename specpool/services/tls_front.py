@@ -45,6 +45,7 @@ import grpc
 import grpc.aio
 
 from specpool.core.errors import InvalidArgument
+from specpool.services.status import replica_died, replica_died_message
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class _Forwarder(grpc.GenericRpcHandler):
                 # queue RESOURCE_EXHAUSTED with its retry hint in the trailers).
                 if exc.trailing_metadata():
                     context.set_trailing_metadata(_forwardable(exc.trailing_metadata()))
+                if replica_died(exc.code(), exc.details()):  # Serve's INTERNAL for a dead replica: retryable
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, replica_died_message(exc.details()))
                 await context.abort(exc.code(), exc.details() or "")
             finally:
                 # A client that cancelled (or whose deadline passed) cancels the task running this

@@ -84,6 +84,9 @@ class Upstream(specpool_pb2_grpc.SpecPoolServicer):
 
     def Generate(self, request, context):
         self._record(request, context)
+        if request.prompt == "died":  # how Serve's proxy words a replica that died under the call
+            context.abort(grpc.StatusCode.INTERNAL, "The actor died unexpectedly before finishing this task.\n"
+                                                    "\tclass_name: ServeReplica:router:Router")
         if request.prompt.startswith("fail:"):
             code = grpc.StatusCode[request.prompt.split(":")[1]]
             context.set_trailing_metadata((("retry-after-ms", "250"),))
@@ -171,6 +174,14 @@ def test_status_code_details_and_trailers_come_back_unchanged(upstream, pki, fro
     assert failure.value.code() == grpc.StatusCode[code]
     assert failure.value.details() == "refused: b"
     assert ("retry-after-ms", "250") in tuple(failure.value.trailing_metadata() or ())
+
+
+def test_a_replica_that_died_under_the_call_is_a_retryable_unavailable(upstream, pki, front):
+    with _channel(front.port, pki.ca_pem) as channel:
+        with pytest.raises(grpc.RpcError) as failure:
+            specpool_pb2_grpc.SpecPoolStub(channel).Generate(specpool_pb2.GenerateRequest(prompt="died"), timeout=10)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "died mid-request" in failure.value.details() and "retry" in failure.value.details()
 
 
 def test_a_client_cancel_cancels_the_upstream_call(upstream, pki, front):
