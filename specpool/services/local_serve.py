@@ -159,10 +159,15 @@ def start_local(
     progress: Callable[[str], None] = lambda message: None,
     log_to_driver: bool = False,
     daemon_niceness: int | None = None,
+    ray_address: str | None = None,
 ) -> LocalServe:
     """Start Ray (a new local cluster), Serve and every application of ``plan``; returns when all
     are RUNNING. Checks first, before Ray starts: Redis reachable, ports free. ``daemon_niceness``
-    (opt-in; None leaves Ray's processes as Ray starts them): see ``lower_daemon_priority``."""
+    (opt-in; None leaves Ray's processes as Ray starts them): see ``lower_daemon_priority``.
+    ``ray_address``: deploy on that running cluster instead (e.g. several nodes, the drafters
+    placed by ``ray_actor_options.resources``); its nodes' CPUs and metrics port are its own, and
+    ``shutdown()`` stops Serve but leaves the cluster to whoever started it. A driver already
+    connected (``ray.init``) is used as it is."""
     import ray
     from ray import serve
     from ray.serve.api import RunTarget
@@ -175,24 +180,30 @@ def start_local(
     if metrics_port:
         check_port_free(metrics_port, "metrics")
 
-    cpus = max(os.cpu_count() or 1, math.ceil(plan.cpus_wanted()))
-    progress(f"starting Ray (local, {cpus} logical CPUs) ...")
-    init_kwargs: dict = {"address": "local", "num_cpus": cpus, "include_dashboard": False,
-                         "log_to_driver": log_to_driver, "logging_level": logging.WARNING}
-    if metrics_port:
-        init_kwargs["_metrics_export_port"] = metrics_port
+    if ray_address is None:
+        cpus = max(os.cpu_count() or 1, math.ceil(plan.cpus_wanted()))
+        progress(f"starting Ray (local, {cpus} logical CPUs) ...")
+        init_kwargs: dict = {"address": "local", "num_cpus": cpus, "include_dashboard": False,
+                             "log_to_driver": log_to_driver, "logging_level": logging.WARNING}
+        if metrics_port:
+            init_kwargs["_metrics_export_port"] = metrics_port
+    else:
+        progress(f"connecting to the Ray cluster at {ray_address} ...")
+        init_kwargs = {"address": ray_address, "log_to_driver": log_to_driver, "logging_level": logging.WARNING}
     # Ray runs its workers at niceness 15, so that they never starve its own daemons. Here the
     # workers ARE the service (the model servers): at 15 any other busy process on the machine
     # would starve them. The raylet reads this when it starts, and passes it to the workers.
     os.environ.setdefault("RAY_worker_niceness", "0")
     for name, value in SERVE_ENV.items():  # read by every Ray process it starts
         os.environ.setdefault(name, value)
-    ray.init(**init_kwargs)
+    if not (ray_address is not None and ray.is_initialized()):  # a caller may have connected already
+        ray.init(**init_kwargs)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
     http_host = DEFAULT_GRPC_HOST if plan.http_host in ("0.0.0.0", "::", "") else plan.http_host
     started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",
                          f"http://{DEFAULT_GRPC_HOST}:{metrics_port}/metrics" if metrics_port else None,
-                         f"http://{http_host}:{plan.http_port}/v1" if router.http_api else None)
+                         f"http://{http_host}:{plan.http_port}/v1" if router.http_api else None,
+                         _owns_ray=ray_address is None)
     try:
         serve.start(
             proxy_location=plan.proxy_location,
