@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL
 from serve_helpers import call as _call, free_port as _free_port, wait_until as _wait
 from specpool.core.errors import NotFound
 from specpool.services.auth import add_key
@@ -53,13 +53,6 @@ PROMPT_A = "Write a Python function that returns the n-th Fibonacci number."
 PROMPT_B = "Translate to French: Where is the train station? Then explain the grammar in a few sentences."
 FOLLOW_UP = "Now write it without recursion."
 COPY_HEAVY = "one two three four five one two three four five one two three"  # raw: the n-gram drafter drafts here
-
-
-@pytest.fixture(scope="module")
-def raw_redis():
-    client = connect_or_skip(decode_responses=True)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL
 from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
 POOL = ["ngram", "code"]
 MAX_NEW = 24
@@ -41,13 +41,6 @@ PROMPTS = [
     "What is 12 times 7? Explain briefly.",
 ]
 LONG = 400  # tokens a request would take tens of seconds for: deadlines and cancels cut it short
-
-
-@pytest.fixture(scope="module")
-def raw_redis():
-    client = connect_or_skip(decode_responses=True)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
