@@ -14,13 +14,10 @@ Models: the unit tests' tiny random target and a tiny zoo drafter on it (no down
 
 from __future__ import annotations
 
-import os
-import queue
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -34,10 +31,11 @@ from specpool.drafters.registry import DrafterContext
 from specpool.learning.feedback import InProcessFeedbackStream
 from specpool.learning.feedback_redis import RedisFeedbackStream
 from specpool.learning.learner_loop import Learner
-from specpool.learning.learner_process import PAUSE_BEFORE_ACK_ENV, registry_base_models, run_learner
+from specpool.learning.learner_process import registry_base_models, run_learner
 from specpool.learning.learning_config import LearningConfig
 from specpool.learning.model_store import DirectoryModelStore, VariantKey
 from specpool.learning.online import OnlineConfig
+from learner_helpers import LearnerProcess
 from unit.conftest import WORDS, _prompt_texts, _save, make_model, make_tokenizer, plain_greedy
 from unit.online_helpers import target_records, write_tiny_zoo
 from unit.test_learning_durability import records as random_records, tiny_base
@@ -171,43 +169,6 @@ def models(tmp_path_factory):
     target = _save(root / "target", make_model(0), tokenizer)
     zoo = write_tiny_zoo(target, tokenizer, root / "zoo")
     return target, f"zoo:{zoo}", tokenizer
-
-
-class LearnerProcess:
-    """``specpool learner`` in a process of its own; its stderr lines collected as they come."""
-
-    def __init__(self, home: Path, args: list[str], pause_before_ack_s: float = 0.0):
-        env = {**os.environ, "SPECPOOL_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        if pause_before_ack_s:
-            env[PAUSE_BEFORE_ACK_ENV] = str(pause_before_ack_s)
-        self.process = subprocess.Popen([sys.executable, "-m", "specpool.cli.main", "learner", *args], cwd=ROOT,
-                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.process.stderr:
-            self.lines.put(line)
-
-    def wait_for(self, text: str, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.seen):
-            assert self.process.poll() is None or not self.lines.empty(), "".join(self.seen)
-            assert time.monotonic() < deadline, f"no {text!r} in time:\n" + "".join(self.seen)
-            try:
-                self.seen.append(self.lines.get(timeout=0.5))
-            except queue.Empty:
-                pass
-
-    def finish(self, timeout: float = 240.0) -> str:
-        self.process.wait(timeout)
-        time.sleep(0.2)
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        assert self.process.returncode == 0, "".join(self.seen)
-        return "".join(self.seen)
 
 
 def test_learner_sigkilled_mid_commit_applies_every_record_exactly_once(private_redis, models, tmp_path):

@@ -10,6 +10,7 @@ and seed (greedy: the target's own tokens).
 from __future__ import annotations
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -21,7 +22,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-import redis
 
 from specpool.core.errors import DeadlineExceeded, InvalidArgument, NotFound
 from specpool.services.client import SpecPoolClient
@@ -357,6 +357,61 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
     ask("other", "elsewhere", 8)
     assert {r.version for r in _wait(lambda: records_of("other", "elsewhere"), 30, "other tenant's feedback")} == {0}
     assert _call(served.handles.router, "Feedback")["errors"] == 0
+
+
+def test_a_separate_learner_process_promotes_a_version_and_loses_nothing_when_killed(served, client, raw_redis,
+                                                                                      reference, tmp_path):
+    """Issue 27 item 6, the Kubernetes topology on this machine: the router with feedback on,
+    `specpool learner` in a process of its own (the learner Deployment) over the model store the
+    drafter replica reads (the ReadWriteMany volume). A learned version is promoted and the next
+    request is drafted with it; the learner SIGKILLed while records wait and started again applies
+    every record (none lost, none twice) and leaves nothing pending in the consumer group."""
+    from learner_helpers import LearnerProcess
+    from specpool.learning.feedback import FeedbackRecord
+    from specpool.learning.feedback_redis import FIELD, RedisFeedbackStream
+    from specpool.learning.model_store import DirectoryModelStore, VariantKey
+
+    stream = f"{served.namespace}:feedback"
+    tenant = f"proc-{uuid.uuid4().hex[:6]}"
+    vkey = VariantKey(tenant, "code")
+    store = DirectoryModelStore(served.store)
+    args = ["--redis", URL, "--stream", stream, "--drafters", "code", "--store", str(served.store),
+            "--publish-every", "4", "--consumer", "learner-0", "--no-progress"]
+
+    def records(session: str | None = None) -> list:
+        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(f"{stream}:{tenant}"))
+        return [r for r in decoded if session is None or r.session == session]
+
+    def ask(session: str):
+        answer = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant, policy="fixed:code")
+        assert list(answer.token_ids) == reference(PROMPTS[1])  # lossless, whatever the weights
+        return _wait(lambda: records(session), 30, f"feedback of {session}")
+
+    ask("one")
+    learner = LearnerProcess(tmp_path / "home", args)
+    try:
+        promoted = _wait(lambda: store.serving(vkey), 240, "the learner process to promote a version", interval=1)
+        drafted = {r.version for r in ask("two")}
+        assert len(drafted) == 1 and drafted.pop() >= promoted >= 1  # one learned version for the whole request
+    finally:
+        learner.process.send_signal(signal.SIGKILL)  # no goodbye: what an evicted pod gets after its grace period
+        learner.process.wait(30)
+    ask("three")  # its records wait in the stream while no learner runs
+    feedback = RedisFeedbackStream(URL, stream=stream)
+    try:
+        assert feedback.backlog() + feedback.pending() > 0
+        restarted = LearnerProcess(tmp_path / "home", args)
+        try:
+            _wait(lambda: feedback.backlog() == 0 and feedback.pending() == 0, 240,
+                  "the restarted learner to consume and acknowledge every record", interval=1)
+            applied = set(store.load_state(vkey)["applied"])
+            every = [r.record_id for r in records()]
+            assert len(every) == len(set(every)) and set(every) <= applied  # none lost, each once
+        finally:
+            restarted.process.send_signal(signal.SIGTERM)
+            restarted.process.wait(60)
+    finally:
+        feedback.close()
 
 
 def test_cli_client_generate(served, reference):
