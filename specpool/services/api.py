@@ -14,6 +14,7 @@ import numpy as np
 
 from specpool.core.defaults import MAX_DRAFT_LENGTH, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from specpool.core.errors import InvalidArgument, check
+from specpool.services.grpc_ingress import UndecodableRequest
 from specpool.v1 import common_pb2, specpool_pb2
 
 FINISH_REASONS = {
@@ -53,6 +54,9 @@ class GenerationSpec:
 
 
 def spec_from_proto(msg: specpool_pb2.GenerateRequest) -> GenerationSpec:
+    if isinstance(msg, UndecodableRequest):  # bytes Serve's proxy could not parse (services/grpc_ingress.py)
+        raise InvalidArgument(f"the request is not a valid {msg.message_type} ({msg.error}); "
+                              "send a message built from specpool/v1/specpool.proto")
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("the request has no input: set prompt, chat or raw_prompt")

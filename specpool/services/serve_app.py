@@ -10,7 +10,7 @@ application, one application per drafter and one router application; each builde
 
 How the pieces talk (see also ``specpool/services/remote.py``):
 
-- **Client -> router**: Serve's gRPC proxy, with ``specpool_pb2_grpc.add_SpecPoolServicer_to_server``
+- **Client -> router**: Serve's gRPC proxy, with ``grpc_ingress.add_specpool_servicer_to_server`` (the generated registration, tolerant of bad bytes)
   (and the gRPC health service) in ``grpc_options.grpc_servicer_functions``. The router is the only
   application with a route_prefix, so the proxy needs no ``application`` metadata. The proxy also
   serves gRPC server reflection (Serve's ``enable_reflection``, on by default); health checks

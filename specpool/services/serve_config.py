@@ -27,7 +27,7 @@ DEFAULT_GRPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # Serve's HTTP proxy: the OpenAI-compatible API (router arg http_api)
 DEFAULT_METRICS_PORT = 9464  # Prometheus text format at http://HOST:9464/metrics (Ray's metrics agent)
 GRPC_SERVICER_FUNCTIONS = (
-    "specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server",
+    "specpool.services.grpc_ingress.add_specpool_servicer_to_server",  # the generated one, tolerant of bad bytes
     # Serve's proxy routes grpc.health.v1.Health/Check to the router's `Check` method.
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )

@@ -226,7 +226,7 @@ def test_grpc_options_point_at_the_specpool_servicer():
     options = serve_config()["grpc_options"]
     assert options["port"] == 9000
     functions = options["grpc_servicer_functions"]
-    assert "specpool.v1.specpool_pb2_grpc.add_SpecPoolServicer_to_server" in functions
+    assert "specpool.services.grpc_ingress.add_specpool_servicer_to_server" in functions
     for function in functions:
         assert callable(_resolve(function)), function
 
