@@ -691,7 +691,8 @@ def run_phases(args: argparse.Namespace, address: str, keys: dict[str, str], pro
                     flood = Flood(stub, keys[FLOOD_PHASES[phase]], flood_prompts, args)
                     flood.start()
                     ramp_end = time.monotonic() + args.flood_ramp
-                    want = min(args.flood_quota, args.flood_clients)
+                    # Its quota's worth of streams (every client's, for the tenant without a quota).
+                    want = args.flood_clients if phase == FLOODED_UNQUOTED else min(args.flood_quota, args.flood_clients)
                     while flood.tally.in_flight < want and time.monotonic() < ramp_end:
                         time.sleep(0.05)
                 progress(f"rep {rep + 1}/{args.reps} {phase}: {args.quiet_requests} quiet requests"
