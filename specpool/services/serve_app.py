@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections import Counter, OrderedDict
@@ -164,9 +165,9 @@ def _home():
 
 
 def _replica() -> dict:
-    """Which replica answered: its Ray actor name (namespace "serve") and replica id (tests)."""
+    """Which replica answered: its Ray actor name (namespace "serve"), replica id and process id (tests)."""
     return {"actor_name": ray.get_runtime_context().get_actor_name(),
-            "replica_id": serve.get_replica_context().replica_id.unique_id}
+            "replica_id": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid()}
 
 
 async def _offer_route(endpoint: DirectEndpoint, response) -> None:

@@ -428,10 +428,10 @@ def test_cli_client_generate(served, reference):
 
 # -- failover (last: they replace replicas) --------------------------------------------------------------------
 def _kill_replica(handle) -> dict:
-    import ray
-
+    """SIGKILL the replica's process (no graceful shutdown: an OOM kill, a lost machine); Serve
+    then starts another."""
     old = _call(handle, "Replica")
-    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    os.kill(old["pid"], signal.SIGKILL)
     return old
 
 
