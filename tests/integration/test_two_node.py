@@ -4,8 +4,9 @@ The cluster is Ray's own multi-node test harness (``ray.cluster_utils.Cluster``)
 a worker node, each its own raylet with its own resources, the same processes ``ray start --head``
 and ``ray start --address`` launch; unlike the CLI it can remove exactly its worker node again,
 where ``ray stop`` would stop every Ray cluster on the machine. The head has the CPUs for the
-router and the target; only the worker has the custom resource ``drafter_node`` that every drafter
-replica asks for, so Ray must place the drafters there and every drafter call crosses nodes.
+router and the target, which ask for its custom resource ``head_node``; only the worker has the
+resource ``drafter_node`` that every drafter replica asks for, so Ray must place the drafters there
+and every drafter call crosses nodes.
 
 - The cross-node path answers exactly: greedy output equal to the embedded engine's, with the
   worker's drafter drafting every round.
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_helpers import free_port as _free_port
+from serve_helpers import free_port as _free_port, wait_until as _wait
 from specpool.services.client import SpecPoolClient
 
 pytestmark = pytest.mark.integration
@@ -33,6 +34,7 @@ K = 5
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a loop."
 MAX_NEW = 48
 DRAFTER_RESOURCE = "drafter_node"
+HEAD_RESOURCE = "head_node"  # the router and the target ask for it: else Ray may put the target on the worker, leaving the drafters no room
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ def cluster():
     os.environ.setdefault("RAY_worker_niceness", "0")
     for name, value in SERVE_ENV.items():
         os.environ.setdefault(name, value)
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False,
+                                                          "resources": {HEAD_RESOURCE: 2}})
     # The driver joins while the head is the only node: with two raylets on one IP it could
     # otherwise attach to the worker's, and losing that node would take the driver with it.
     import ray
@@ -72,6 +75,8 @@ def served(cluster, tmp_path_factory):
             app["args"].update(redis_namespace=namespace, http_api=False)
         if app["name"].startswith("drafter-"):
             app["args"]["ray_actor_options"]["resources"] = {DRAFTER_RESOURCE: 1}
+        else:
+            app["args"]["ray_actor_options"]["resources"] = {HEAD_RESOURCE: 1}
     local = start_local(plan_from_config(config, "the two-node config"), metrics_port=None,
                         ray_address=cluster.nodes.address, progress=lambda m: print(f"[served] {m}", flush=True))
     yield local
@@ -129,7 +134,8 @@ def test_losing_the_worker_node_mid_stream_degrades_to_target_only_and_stays_exa
     assert tokens == expected and stats is not None
 
     # The drafters cannot be placed again (no node has the resource): the server keeps answering.
-    assert len([n for n in ray.nodes() if n["Alive"]]) == 1
+    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 1, 120,
+          "the GCS to mark the worker node dead (its health checks must fail first)", interval=1)
     started = time.monotonic()
     again = client.generate(PROMPT, max_new_tokens=MAX_NEW, session_id=f"after-{uuid.uuid4().hex[:8]}",
                             policy="fixed:code", timeout=300)
