@@ -43,7 +43,7 @@ def served(tmp_path_factory):
     channel = grpc.insecure_channel(local.address)
     listing = httpx.get(f"{local.http_url}/models", headers={"authorization": f"Bearer {keys.acme}"}, timeout=30)
     yield SimpleNamespace(stub=specpool_pb2_grpc.SpecPoolStub(channel), base_url=local.http_url, keys=keys,
-                          model=listing.json()["data"][0]["id"])
+                          model=listing.json()["data"][0]["id"], metrics_url=local.metrics_url)
     channel.close()
     local.shutdown()
     stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
@@ -90,3 +90,20 @@ def test_a_prompt_over_its_byte_limit_and_too_many_new_tokens_are_400s_on_both_a
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Generate(request_to_proto("x" * 2001, max_new_tokens=2), metadata=_auth(served.keys.globex), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "2001 bytes" in info.value.details()
+
+
+def test_refusals_are_counted_by_tenant_and_reason_in_the_exported_metrics(served):
+    """specpool_admission_events reaches Ray's metrics agent (the dashboard's "Admission" panel):
+    after the refusals above, acme's refused_concurrency and globex's refused_size are scraped."""
+    import re
+    import urllib.request
+
+    from serve_helpers import wait_until
+
+    def counted():
+        text = urllib.request.urlopen(served.metrics_url, timeout=5).read().decode()
+        found = set(re.findall(r'ray_specpool_admission_events_total\{[^}]*event="(\w+)"[^}]*tenant="(\w+)"', text))
+        found |= {(e, t) for t, e in re.findall(r'ray_specpool_admission_events_total\{[^}]*tenant="(\w+)"[^}]*event="(\w+)"', text)}
+        return found if {("refused_concurrency", "acme"), ("refused_size", "globex")} <= found else None
+
+    wait_until(counted, 90, "acme's refused_concurrency and globex's refused_size in the scrape", interval=2)
