@@ -26,3 +26,18 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 
 def call(handle, method: str, *args, timeout_s: float = 60):
     return handle.options(method_name=method).remote(*args).result(timeout_s=timeout_s)
+
+
+def embedded_greedy(prompt: str, max_new_tokens: int, k: int, pool: list[str]) -> list[int]:
+    """The embedded engine's greedy token ids for ``prompt``: the target's own tokens, whatever
+    drafts, so what every served answer must equal."""
+    import uuid
+
+    from specpool.services.config import settings_from_env
+    from specpool.services.engine import EmbeddedEngine
+    from specpool.target.sampling import SamplingParams
+
+    engine = EmbeddedEngine.default(settings_from_env().home)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
+    return engine.generate(engine.encode_prompt(prompt), params, k=k, session_id=uuid.uuid4().hex,
+                           policy="metasd-ucb", pool=pool).token_ids

@@ -30,7 +30,7 @@ import pytest
 import redis
 
 from specpool.services.client import SpecPoolClient
-from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call, embedded_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -109,15 +109,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def expected():
-    """The embedded engine's greedy answer (the target's own tokens, whatever drafts)."""
-    from specpool.services.config import settings_from_env
-    from specpool.services.engine import EmbeddedEngine
-    from specpool.target.sampling import SamplingParams
-
-    engine = EmbeddedEngine.default(settings_from_env().home)
-    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=engine.stop_token_ids())
-    return engine.generate(engine.encode_prompt(PROMPT), params, k=K, session_id=uuid.uuid4().hex,
-                           policy="metasd-ucb", pool=POOL).token_ids
+    return embedded_greedy(PROMPT, MAX_NEW, K, POOL)
 
 
 def _replicas(app: str) -> list[str]:

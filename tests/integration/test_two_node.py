@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_helpers import free_port as _free_port, wait_until as _wait
+from serve_helpers import embedded_greedy, free_port as _free_port, wait_until as _wait
 from specpool.services.client import SpecPoolClient
 
 pytestmark = pytest.mark.integration
@@ -95,14 +95,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def expected():
-    from specpool.services.config import settings_from_env
-    from specpool.services.engine import EmbeddedEngine
-    from specpool.target.sampling import SamplingParams
-
-    engine = EmbeddedEngine.default(settings_from_env().home)
-    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=engine.stop_token_ids())
-    return engine.generate(engine.encode_prompt(PROMPT), params, k=K, session_id=uuid.uuid4().hex,
-                           policy="metasd-ucb", pool=POOL).token_ids
+    return embedded_greedy(PROMPT, MAX_NEW, K, POOL)
 
 
 def test_drafters_on_the_worker_node_answer_exactly_across_nodes(served, client, expected):
