@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--unroll", type=int, default=3, help="eagle --recipe unroll: steps unrolled")
     train.add_argument("--regression-weight", type=float, default=1.0,
                        help="eagle only: weight of the feature regression beside the token cross-entropy (0: tokens only)")
+    train.add_argument("--reference-answers", type=int, default=0, metavar="N",
+                       help="eagle only: also read up to N corpus (prompt, reference answer) pairs teacher-forced "
+                            "(one target forward each, far cheaper than answering): more data per CPU hour")
+    train.add_argument("--onpolicy-weight", type=int, default=1, metavar="W",
+                       help="eagle only: each on-policy answer counts W times beside the reference answers")
     train.add_argument("--init-from", default=None, metavar="DRAFTER",
                        help="start from a trained zoo drafter (shipped name or folder) instead of the target's layers: "
                             "fine-tune a broader drafter on a small domain")
@@ -313,11 +318,14 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
         from specpool.learning.eagle_train import HeadOptions, train_head
 
         options = HeadOptions(recipe=args.recipe, unroll=args.unroll, init_from=args.init_from,
-                              regression_weight=args.regression_weight)
+                              regression_weight=args.regression_weight, reference_answers=args.reference_answers,
+                              onpolicy_weight=args.onpolicy_weight)
         metadata = train_head(replace(config, init_from=None), options, settings.home, out, args.resume,
                               args.target or DEFAULT_TARGET, device=args.device, teacher_only=args.teacher_only)
         if args.teacher_only:
-            print(f"{args.domain}: teacher data with features for {metadata['teacher_prompts']} prompts in {metadata['store']}")
+            print(f"{args.domain}: teacher data with features for {metadata['teacher_prompts']} prompts in {metadata['store']}"
+                  + (f"; {metadata['reference_pairs']} reference answers in {metadata['reference_store']}"
+                     if metadata["reference_pairs"] else ""))
         else:
             print(f"{metadata['name']}: {out} (steps {metadata['steps']}, held-out tokens per round "
                   f"{metadata['best_heldout_acceptance']} at step {metadata['best_step']})")

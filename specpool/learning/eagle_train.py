@@ -40,17 +40,18 @@ from tqdm import tqdm
 from specpool.core.errors import InvalidArgument
 from specpool.drafters.eagle import HEAD_KIND, target_card
 from specpool.drafters.eagle_model import EagleConfig, EagleHead, init_from_target
-from specpool.learning.zoo_data import collect_prompts
+from specpool.learning.zoo_data import collect_pairs, collect_prompts
 from specpool.learning.zoo_train import (
-    TrainConfig, TrainingError, TrainState, _check_train_config, _lr, batch_indices, build_vocab, check_output_dir,
-    distillation_loss, export_drafter, generate_teacher, load_checkpoint, prompt_hash, read_teacher_shards, save_checkpoint,
-    split_heldout, teacher_index, teacher_store_key, zoo_config_for,
+    TrainConfig, TrainingError, TrainState, _atomic_save, _check_train_config, _lr, batch_indices, build_vocab,
+    check_output_dir, distillation_loss, encode_chat, export_drafter, generate_teacher, load_checkpoint, prompt_hash,
+    read_teacher_shards, save_checkpoint, split_heldout, teacher_index, teacher_store_key, zoo_config_for,
 )
 
 RECIPES = ("eagle", "unroll")
 DEFAULT_FEATURES_CONTEXT = 256  # prompt positions with features kept in the store before each answer
 HELDOUT_STARTS = 8  # draft starts per held-out answer in the acceptance check
 HELDOUT_K = 5
+SORT_WINDOW = 256  # reference pairs sorted by length within windows of this many (reference_teacher)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class HeadOptions:
     # Loss = regression_weight * SmoothL1(f^, f) + CE to the target's top-K (EAGLE-1 weighs the
     # token term 0.1 against regression 1; EAGLE-3 drops regression). Measured: see the card.
     regression_weight: float = 1.0
+    # Corpus (prompt, reference answer) pairs read teacher-forced beside the on-policy answers
+    # (``reference_teacher``): 0 = on-policy answers only.
+    reference_answers: int = 0
+    # Each on-policy sequence counts this many times in the training mix (they are the
+    # drafting distribution; reference answers are only near it).
+    onpolicy_weight: int = 1
 
 
 @dataclass
@@ -97,6 +104,93 @@ def load_feature_teacher(prompts: list[str], index: dict[int, tuple[Path, int]])
                 data["label_ids"][label_at[row]:label_at[row + 1]].long(),
                 data["label_probs"][label_at[row]:label_at[row + 1]].float())
     return [by_key[index[prompt_hash(p)]] for p in prompts]
+
+
+def reference_store_key(config: TrainConfig, target_fingerprint: str) -> str:
+    """The reference-answer store: like the teacher store's key, marked as teacher-forced."""
+    return "ref-" + teacher_store_key(config, target_fingerprint)
+
+
+@torch.inference_mode()
+def reference_teacher(model, tokenizer, pairs: list[tuple[str, str]], store: Path, config: TrainConfig,
+                      stop_token_ids: tuple[int, ...], token_budget: int = 4096) -> dict[int, tuple[Path, int]]:
+    """Make sure every (prompt, reference answer) pair is in ``store``; return its index (by the
+    prompt's hash). The target reads chat(prompt) + the reference (cut to ``max_new_tokens``,
+    closed with the stop token when whole) in one teacher-forced forward; a shard row holds what
+    an on-policy teacher row holds (``generate_teacher``): tokens, answer start, the target's
+    top-K at each answer position and its features from ``features_context`` prompt positions
+    before the answer to the second-to-last position. So ``load_feature_teacher`` reads both
+    stores, and an interrupted run resumes where it stopped (one shard per batch, atomic)."""
+    entered = time.perf_counter()
+    store.mkdir(parents=True, exist_ok=True)
+    index = teacher_index(store)
+    todo = [(p, r) for p, r in dict(pairs).items() if prompt_hash(p) not in index]
+    encoded = {}
+    for p, r in todo:
+        prompt_ids = encode_chat(tokenizer, p, config.max_prompt_tokens)
+        answer = tokenizer.encode(r, add_special_tokens=False)
+        answer = answer[:config.max_new_tokens] if len(answer) >= config.max_new_tokens else answer + [stop_token_ids[0]]
+        encoded[p] = (prompt_ids, answer)
+    # Similar lengths pad little; sorting within windows (not over all) keeps the corpus mix of
+    # ``pairs`` in every stretch, so a time limit does not leave out the long answers (code, math).
+    todo = [pair for w in range(0, len(todo), SORT_WINDOW)
+            for pair in sorted(todo[w:w + SORT_WINDOW], key=lambda pair: sum(map(len, encoded[pair[0]])))]
+    bar = tqdm(total=len(pairs), initial=len(pairs) - len(todo), desc=f"reference answers ({config.domain})",
+               unit="pair", dynamic_ncols=True)
+    lm_head = model.get_output_embeddings()
+    done_tokens, started, first = 0, time.perf_counter(), 0
+    while first < len(todo):
+        if config.teacher_time_limit_s and time.perf_counter() - entered > config.teacher_time_limit_s:
+            print(f"teacher time limit reached: {len(todo) - first} reference pairs left unread "
+                  "(rerun to read them)", flush=True)
+            break
+        width = sum(map(len, encoded[todo[first][0]]))
+        batch = [todo[first]]
+        while first + len(batch) < len(todo):  # grow while the padded batch fits the token budget
+            nxt = sum(map(len, encoded[todo[first + len(batch)][0]]))
+            if (len(batch) + 1) * max(width, nxt) > token_budget:
+                break
+            batch.append(todo[first + len(batch)])
+            width = max(width, nxt)
+        first += len(batch)
+        input_ids = torch.full((len(batch), width), stop_token_ids[0], dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (p, _) in enumerate(batch):  # right padding: a causal forward reads no pad before a real token
+            ids = encoded[p][0] + encoded[p][1]
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            attention[row, :len(ids)] = 1
+        hidden = model.get_decoder()(input_ids=input_ids.to(model.device),
+                                     attention_mask=attention.to(model.device)).last_hidden_state  # (B, W, d)
+        tokens, offsets, starts, label_ids, label_probs, features, feature_starts = [], [0], [], [], [], [], []
+        for row, (p, _) in enumerate(batch):
+            prompt_ids, answer = encoded[p]
+            P, L = len(prompt_ids), len(prompt_ids) + len(answer)
+            tokens.extend(prompt_ids + answer)
+            offsets.append(len(tokens))
+            starts.append(P)
+            # Answer token t (P .. L-1) is predicted from position t-1.
+            top = torch.softmax(lm_head(hidden[row, P - 1:L - 1]).float(), dim=-1).topk(config.teacher_top_k, dim=-1)
+            label_ids.append(top.indices.cpu())
+            label_probs.append(top.values.cpu())
+            first_kept = max(P - config.features_context, 0)
+            features.append(hidden[row, first_kept:L - 1].to(torch.float16).cpu())
+            feature_starts.append(first_kept)
+            done_tokens += L
+        batch_key = hashlib.sha256(",".join(str(prompt_hash(p)) for p, _ in batch).encode()).hexdigest()[:16]
+        shard = store / f"shard-{batch_key}.safetensors"
+        _atomic_save({
+            "features": torch.cat(features), "feature_starts": torch.tensor(feature_starts, dtype=torch.int64),
+            "prompt_hashes": torch.tensor([prompt_hash(p) for p, _ in batch], dtype=torch.int64),
+            "tokens": torch.tensor(tokens, dtype=torch.int32), "offsets": torch.tensor(offsets, dtype=torch.int64),
+            "answer_starts": torch.tensor(starts, dtype=torch.int64),
+            "label_ids": torch.cat(label_ids).to(torch.int32), "label_probs": torch.cat(label_probs).to(torch.float16),
+        }, shard)
+        for row, (p, _) in enumerate(batch):
+            index[prompt_hash(p)] = (shard, row)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
+    bar.close()
+    return index
 
 
 def trim_features(s: FeatureSequence, context_tokens: int) -> FeatureSequence:
@@ -298,6 +392,8 @@ def head_card(metadata: dict) -> str:
         f"| data files | {', '.join(metadata['data'])} |",
         f"| prompts answered by the target (train / held out) | {metadata['teacher_prompts']} / {metadata['heldout_prompts']} |",
         f"| answer tokens | {metadata['teacher_tokens']} |",
+        f"| reference answers read teacher-forced (pairs, tokens) | {metadata.get('reference_pairs', 0)}, "
+        f"{metadata.get('reference_tokens', 0)} |",
         f"| steps, answer positions seen | {metadata['steps']}, {metadata['tokens_seen']} |",
         f"| held-out tokens per round (k = 5, greedy, no stop): start, best (step) | "
         f"{curve[0] if curve else 'n/a'}, {metadata['best_heldout_acceptance']} ({metadata['best_step']}) |",
@@ -336,10 +432,21 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     index = generate_teacher(target, tokenizer, prompts, store, config, stop_ids)
     prompts = [p for p in prompts if prompt_hash(p) in index]
     train_prompts, heldout_prompts = split_heldout(prompts)
+    reference_prompts, reference_index, reference_store = [], {}, None
+    if options.reference_answers > 0:
+        pairs = collect_pairs([Path(p) for p in config.data], options.reference_answers, config.seed)
+        # The held-out rule is a function of the prompt: a prompt held out on-policy never trains here either.
+        kept = set(split_heldout([p for p, _ in pairs])[0])
+        pairs = [(p, r) for p, r in pairs if p in kept]
+        reference_store = home / "zoo" / "teacher" / reference_store_key(config, fingerprint)
+        reference_index = reference_teacher(target, tokenizer, pairs, reference_store, config, stop_ids)
+        reference_prompts = [p for p, _ in pairs if prompt_hash(p) in reference_index]
     if teacher_only:
-        return {"domain": config.domain, "store": str(store), "teacher_prompts": len(prompts)}
+        return {"domain": config.domain, "store": str(store), "teacher_prompts": len(prompts),
+                "reference_store": str(reference_store), "reference_pairs": len(reference_prompts)}
     by_prompt = dict(zip(prompts, load_feature_teacher(prompts, index)))
-    sequences = [by_prompt[p] for p in train_prompts]
+    sequences = [by_prompt[p] for p in train_prompts] * max(options.onpolicy_weight, 1)
+    sequences += load_feature_teacher(reference_prompts, reference_index)
     heldout = [by_prompt[p] for p in heldout_prompts][:64]  # the acceptance check drafts: keep it bounded
     if not sequences:
         raise TrainingError("the target produced no teacher data")
@@ -381,8 +488,11 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
         "model": head.config.to_dict(),
         "own_parameters": head.own_parameters(),
         "data": [str(p) for p in config.data],
-        "teacher_prompts": len(sequences),
-        "teacher_tokens": int(sum(len(s.label_ids) for s in sequences)),
+        "teacher_prompts": len(train_prompts),
+        "teacher_tokens": int(sum(len(by_prompt[p].label_ids) for p in train_prompts)),
+        "reference_pairs": len(reference_prompts),
+        "reference_tokens": int(sum(len(s.label_ids) for s in sequences[len(train_prompts) * max(options.onpolicy_weight, 1):])),
+        "onpolicy_weight": options.onpolicy_weight,
         "heldout_prompts": len(heldout),
         "steps": state.step,
         "tokens_seen": state.tokens_seen,

@@ -166,3 +166,136 @@ def collect_prompts(paths: list[Path], limit: int, seed: int) -> list[str]:
                 chosen.append(prompts[index])
         index += 1
     return chosen
+
+
+# --- reference answers ------------------------------------------------------------------------
+#
+# White-box heads can also learn from text the target did not write: the target reads a
+# prompt and the corpus's own answer in one teacher-forced forward, and its features and top-K
+# at every answer position are the training signal (EAGLE trained on fixed ShareGPT replies).
+# One forward costs what a single decode step costs per token, about 15x cheaper per token than
+# answering on a 2-core CPU, so reference answers buy far more data per CPU hour than
+# on-policy answers do (specpool/learning/eagle_train.py, ``reference_teacher``).
+
+def _fenced(code: str) -> str:
+    return f"```python\n{code.strip()}\n```"
+
+
+def _python_pairs(source: str) -> list[tuple[str, str]]:
+    """(stub prompt, the whole function in a fence) for each documented function of one file."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    pairs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            doc = node.body[0]
+            stub = textwrap.dedent("\n".join(lines[node.lineno - 1: doc.end_lineno]))
+            whole = textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno]))
+            if 40 <= len(stub) <= MAX_PROMPT_CHARS and len(whole) > len(stub):
+                pairs.append((CODE_INSTRUCTION.format(stub=stub.rstrip()), _fenced(whole)))
+    return pairs
+
+
+def _gsm8k_answer(answer: str) -> str:
+    """GSM8K's worked answer without its calculator annotations, the final line in words."""
+    import re
+
+    text = re.sub(r"<<[^>]*>>", "", answer)
+    body, _, final = text.rpartition("####")
+    return f"{body.strip()}\nThe answer is {final.strip()}." if body else text.strip()
+
+
+def _json_pair(record: dict) -> tuple[str, str] | None:
+    prompt = _json_prompt(record)
+    if prompt is None:
+        return None
+    if "code" in record and "text" in record:
+        reference = _fenced(record["code"].replace("\r", ""))
+    elif "question" in record and "answer" in record:
+        reference = _gsm8k_answer(record["answer"])
+    elif "problem" in record and "solution" in record:
+        reference = record["solution"]
+    elif "prompt" in record and "completion" in record:
+        reference = record["completion"].replace("<|endoftext|>", "")
+    elif "instruction" in record:
+        instances = record.get("instances") or [{}]
+        if isinstance(instances, str):  # some files store the list as its Python repr
+            try:
+                instances = ast.literal_eval(instances)
+            except (SyntaxError, ValueError):
+                return None
+        reference = (instances[0] or {}).get("output", "") if instances else ""
+    else:  # a question without an answer (Spec-Bench turns, SVAMP's bare equation): nothing to read
+        return None
+    reference = reference.strip()
+    return (prompt, reference) if reference else None
+
+
+def read_pairs(path: Path) -> list[tuple[str, str]]:
+    """(prompt, reference answer) pairs of a file or folder, for formats that carry an answer
+    (module docstring); prompts are exactly the ones ``read_prompts`` makes of the same record."""
+    if not path.exists():
+        raise InvalidArgument(f"corpus {path} does not exist")
+    if path.is_dir():
+        pairs: list[tuple[str, str]] = []
+        for child in sorted(path.rglob("*")):
+            if child.is_file() and child.suffix in (".py", ".jsonl", ".json", ".txt") and child.name.lower() != "license.txt":
+                pairs.extend(read_pairs(child))
+        return pairs
+    if path.suffix == ".py":
+        return _python_pairs(path.read_text(encoding="utf-8", errors="replace"))
+    if path.suffix in (".jsonl", ".json"):
+        pairs = []
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    pair = _json_pair(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise InvalidArgument(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+                if pair is not None:
+                    pairs.append(pair)
+        return pairs
+    if path.suffix == ".txt" and path.name.startswith("src-"):
+        target = path.with_name("tgt-" + path.name[len("src-"):])
+        if not target.exists():
+            return []  # a test split without references
+        sources = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        targets = target.read_text(encoding="utf-8", errors="replace").splitlines()
+        return [(f"Translate English to German: {s.strip()}", t.strip())
+                for s, t in zip(sources, targets) if s.strip() and t.strip()]
+    if path.suffix == ".txt" and not path.name.startswith("tgt-"):
+        # Prose: 4 lines as the passage to continue, the next 8 as the continuation.
+        text = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        return [(f"Continue the text: {' '.join(text[i:i + 4])}", " ".join(text[i + 4:i + 12]))
+                for i in range(0, max(len(text) - 11, 0), 12)]
+    return []
+
+
+def collect_pairs(paths: list[Path], limit: int, seed: int, exclude: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """Up to ``limit`` (prompt, reference) pairs from ``paths``, de-duplicated by prompt, capped
+    like prompts, shuffled with ``seed`` and balanced across the paths as ``collect_prompts``
+    is. Prompts in ``exclude`` (e.g. held-out ones) are left out."""
+    per_path: list[list[tuple[str, str]]] = []
+    seen: set[str] = set(exclude)
+    for path in paths:
+        pairs = []
+        for prompt, reference in read_pairs(path):
+            prompt = prompt[:MAX_PROMPT_CHARS]
+            if prompt.strip() and prompt not in seen:
+                seen.add(prompt)
+                pairs.append((prompt, reference))
+        random.Random(f"{seed}:pairs:{path}").shuffle(pairs)
+        per_path.append(pairs)
+    chosen: list[tuple[str, str]] = []
+    index = 0
+    while len(chosen) < limit and any(index < len(p) for p in per_path):
+        for pairs in per_path:
+            if index < len(pairs) and len(chosen) < limit:
+                chosen.append(pairs[index])
+        index += 1
+    return chosen
