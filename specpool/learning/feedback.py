@@ -14,6 +14,14 @@ Stream semantics are those of a Redis Streams consumer group, whichever implemen
 - ``ack`` removes them from it; an entry that is never acknowledged (the consumer crashed) is
   handed out again by ``claim_stale`` once it has been idle long enough (XAUTOCLAIM).
 
+A round drafted by a white-box head (``eagle:``) also carries the target's features the head read
+and should have predicted (``FeedbackRecord.feature_start`` .. ``position + accepted - 1``: the
+context tail's last ``feature_tail`` rows and the accepted drafts'), float16 row-major as on the
+wire (specpool/target/features.py), base64 in the JSON: 1,152 bytes a position on the default
+target, about 1.5 KB encoded. Such records may be up to ``FeedbackLimits.max_white_box_bytes``;
+every other record keeps the ``max_bytes`` bound and its layout (records without features decode
+as before, and a record with features is still format 1: the keys are new, not changed).
+
 So delivery is at-least-once; the learner makes the *effect* exactly-once by record id
 (specpool/learning/learner.py). Decoding validates everything a producer could get wrong and raises
 ``BadFeedback`` with a reason, which the learner counts; nothing in a record can crash it.
@@ -21,6 +29,8 @@ So delivery is at-least-once; the learner makes the *effect* exactly-once by rec
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -34,6 +44,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 from specpool.core.errors import InvalidArgument
 from specpool.router.loop import RoundFeedback
 from specpool.router.session_store import SESSION_PATTERN, TENANT_PATTERN
+from specpool.target.features import Features, decode_features, encode_features
 
 FEEDBACK_FORMAT = 1  # bump when the record layout changes
 RECORD_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
@@ -44,7 +55,7 @@ class BadFeedback(InvalidArgument):
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
-        self.reason = reason  # "oversized" | "malformed" | "out_of_range"
+        self.reason = reason  # "oversized" | "malformed" | "out_of_range" | "no_features" (a head's record without them)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,11 @@ class FeedbackLimits:
     max_draft: int = 32  # draft tokens
     max_top_k: int = 64  # entries of the target's sparse p per position
     max_drafter_name: int = 512  # characters (a spec may be a path)
+    # A record that carries a white-box head's features may be this large (encoded). At the
+    # default feature tail (16 rows) and k = 5, a record is about 30 KB on the default target
+    # (width 576); the bound leaves room for a longer draft (32 accepted: ~75 KB) or a wider target.
+    max_white_box_bytes: int = 512 * 1024
+    max_feature_width: int = 16384  # the target's hidden size a record's features may have
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,17 @@ class FeedbackRecord:
     # is its tail). A session's records line up by it, so the learner can fit several of them as
     # one sequence (specpool/learning/batches.py, make_batch). None: not known (records of older servers).
     position: int | None = None
+    # White-box rounds (module docstring): the target's features of positions feature_start ..
+    # position + accepted - 1, ``feature_width`` wide, float16 row-major. None: no features.
+    feature_start: int | None = None
+    feature_width: int = 0
+    feature_bytes: bytes = b""
+
+    def features(self) -> Features | None:
+        """The carried features as float32 rows (None when the record carries none)."""
+        if self.feature_start is None:
+            return None
+        return decode_features(self.feature_start, self.feature_width, self.feature_bytes)
 
     @property
     def positions(self) -> int:
@@ -93,6 +120,8 @@ class FeedbackRecord:
                 "draft": list(self.draft), "accepted": self.accepted,
                 "p_ids": [list(r) for r in self.target_ids], "p": [list(r) for r in self.target_probs],
                 "t": self.created, **({"pos": self.position} if self.position is not None else {}),
+                **({"fs": self.feature_start, "fw": self.feature_width,
+                    "fx": base64.b64encode(self.feature_bytes).decode("ascii")} if self.feature_start is not None else {}),
             },
             separators=(",", ":"),
         ).encode()
@@ -102,12 +131,17 @@ class FeedbackRecord:
         """Parse and validate; raises ``BadFeedback`` (never anything else) on bad input."""
         if not isinstance(payload, (bytes, bytearray, str)):
             raise BadFeedback("malformed", f"feedback payload is a {type(payload).__name__}, not bytes")
-        if len(payload) > limits.max_bytes:
-            raise BadFeedback("oversized", f"feedback record of {len(payload)} bytes exceeds {limits.max_bytes}")
+        if len(payload) > limits.max_bytes:  # checked before parsing: only a record with features may be larger
+            marker = b'"fx"' if isinstance(payload, (bytes, bytearray)) else '"fx"'
+            bound = limits.max_white_box_bytes if marker in payload else limits.max_bytes
+            if len(payload) > bound:
+                raise BadFeedback("oversized", f"feedback record of {len(payload)} bytes exceeds {bound}")
         try:
             data = json.loads(payload)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise BadFeedback("malformed", f"feedback record is not JSON ({exc})") from None
+        if len(payload) > limits.max_bytes and not (isinstance(data, dict) and "fx" in data):
+            raise BadFeedback("oversized", f"feedback record of {len(payload)} bytes without features exceeds {limits.max_bytes}")
         try:
             return _from_dict(data, limits, vocab_size)
         except BadFeedback:
@@ -171,23 +205,68 @@ def _from_dict(data, limits: FeedbackLimits, vocab_size: int | None) -> Feedback
     if position is not None:
         _require(_int(position, "pos") >= len(context), "out_of_range",
                  f"pos {position} is shorter than the context tail ({len(context)} tokens)")
+    features = _features(data, position, len(context), accepted, limits) if "fx" in data else (None, 0, b"")
     return FeedbackRecord(record_id, tenant, session, drafter, version, context, draft, accepted,
-                          tuple(rows_ids), tuple(rows_p), float(created), position)
+                          tuple(rows_ids), tuple(rows_p), float(created), position, *features)
+
+
+def _features(data: dict, position: int | None, context: int, accepted: int,
+              limits: FeedbackLimits) -> tuple[int, int, bytes]:
+    """(feature_start, feature_width, feature_bytes) of a record that carries features, validated:
+    rows of exactly the positions feature_start .. position + accepted - 1, within the context tail,
+    whole float16 rows, every value finite."""
+    _require(position is not None, "malformed", "a record with features needs its position (pos)")
+    start, width, text = data.get("fs"), data.get("fw"), data.get("fx")
+    start, width = _int(start, "fs"), _int(width, "fw")
+    _require(0 < width <= limits.max_feature_width, "out_of_range",
+             f"feature width {width} outside 1..{limits.max_feature_width}")
+    end = position + accepted  # one past the last position with a feature (the accepted drafts')
+    _require(position - context <= start < end, "out_of_range",
+             f"features start at {start}, outside the context tail's positions {position - context}..{end - 1}")
+    _require(isinstance(text, str), "malformed", "fx must be a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadFeedback("malformed", f"fx is not base64 ({exc})") from None
+    _require(len(raw) == (end - start) * width * 2, "malformed",
+             f"{len(raw)} feature bytes are not the {end - start} float16 rows of width {width} positions "
+             f"{start}..{end - 1} need")
+    rows = decode_features(start, width, raw).rows  # (end - start, width)
+    _require(bool(rows.isfinite().all()), "out_of_range", "features hold non-finite values")
+    return start, width, raw
+
+
+def round_features(fb: RoundFeedback, context: int, feature_tail: int) -> tuple[int | None, int, bytes]:
+    """(feature_start, width, float16 bytes) a white-box round's record carries: positions
+    max(n - feature_tail, n - context) .. n + accepted - 1 (n: the context's length), where the
+    round's features (``RoundFeedback.features``) cover them; (None, 0, b"") otherwise."""
+    seen = fb.features
+    n, end = len(fb.context_ids), len(fb.context_ids) + fb.result.accepted
+    if seen is None or feature_tail < 1:
+        return None, 0, b""
+    start = max(n - min(feature_tail, context), seen.start)
+    if start >= end or seen.end < end:
+        return None, 0, b""
+    rows = seen.rows[start - seen.start: end - seen.start]  # (end - start, d)
+    return start, int(rows.shape[1]), encode_features(Features(start, rows))
 
 
 def record_from_round(fb: RoundFeedback, tenant: str, version: int, context_tail: int = 64,
-                      record_id: str | None = None) -> FeedbackRecord | None:
-    """The bounded record of one round, or None when the target sent no top-K p."""
+                      record_id: str | None = None, feature_tail: int = 16) -> FeedbackRecord | None:
+    """The bounded record of one round, or None when the target sent no top-K p. A white-box
+    round's record carries up to ``feature_tail`` context positions' features (``round_features``)."""
     rows = fb.result.target_top_k
     if not rows or not fb.proposal.tokens or len(rows) != len(fb.proposal.tokens) + 1:
         return None
+    context = fb.context_ids[-context_tail:]
+    feature_start, feature_width, feature_bytes = round_features(fb, len(context), feature_tail)
     return FeedbackRecord(
         record_id=record_id or uuid.uuid4().hex,
         tenant=tenant,
         session=fb.session_id,
         drafter=fb.drafter,
         version=version,
-        context=tuple(fb.context_ids[-context_tail:]),
+        context=tuple(context),
         draft=tuple(fb.proposal.tokens),
         accepted=fb.result.accepted,
         target_ids=tuple(tuple(r.token_ids.tolist()) for r in rows),
@@ -195,6 +274,9 @@ def record_from_round(fb: RoundFeedback, tenant: str, version: int, context_tail
         target_probs=tuple(tuple(round(v, 6) for v in r.probs.tolist()) for r in rows),
         created=time.time(),
         position=len(fb.context_ids),
+        feature_start=feature_start,
+        feature_width=feature_width,
+        feature_bytes=feature_bytes,
     )
 
 
@@ -333,16 +415,17 @@ class InProcessFeedbackStream:
 class FeedbackEmitter:
     """Turns rounds into records and emits them; never raises into the serving path."""
 
-    def __init__(self, sink: FeedbackSink, context_tail: int = 64):
+    def __init__(self, sink: FeedbackSink, context_tail: int = 64, feature_tail: int = 16):
         self.sink = sink
         self.context_tail = context_tail
+        self.feature_tail = feature_tail  # white-box rounds: context positions whose features a record carries
         self.emitted = 0
         self.skipped = 0  # rounds without the target's top-K
         self.errors = 0  # failures while building or emitting (serving went on)
 
     def __call__(self, fb: RoundFeedback, tenant: str, version: int) -> None:
         try:
-            record = record_from_round(fb, tenant, version, self.context_tail)
+            record = record_from_round(fb, tenant, version, self.context_tail, feature_tail=self.feature_tail)
             if record is None:
                 self.skipped += 1
                 return

@@ -2,11 +2,16 @@
 
 A request *pins* a slot's current (version, drafter) when it starts and uses that drafter object
 for all its rounds; a swap only replaces what the *next* request pins. Each version is its own
-``ZooDrafter`` (own network, own KV caches), so a request never mixes versions: not in weights,
+drafter (``ZooDrafter`` or ``EagleDrafter``: own network, own KV caches), so a request never mixes versions: not in weights,
 not in cached keys/values. An old version lives on until its last request releases it.
 
 The slot follows the store's serving version (``refresh``): the embedded learner calls it right
 after promoting; a drafter replica in served mode calls ``maybe_refresh`` between requests.
+
+Which drafters learn, and how, is one table (``LEARNABLE``, one ``LearnableKind`` per drafter
+kind): zoo drafters (a ``ZooLM``: specpool/learning/online.py) and white-box heads (an
+``EagleHead``: specpool/learning/online_heads.py). The learner loop, the embedded wiring and the
+served drafter replicas look a drafter or network up there, never by its kind's name.
 """
 
 from __future__ import annotations
@@ -15,44 +20,116 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
 
 from specpool.core.errors import InvalidArgument, ModelUnavailable
+from specpool.drafters.base import Drafter
+from specpool.drafters.eagle import EagleDrafter
+from specpool.drafters.eagle_model import EagleHead
 from specpool.drafters.zoo import ZooDrafter
 from specpool.drafters.zoo_model import ZooLM
+from specpool.learning.evaluation import record_bd
+from specpool.learning.feedback import BadFeedback, FeedbackRecord
 from specpool.learning.model_store import SHARED_SCOPE, ModelStore, VariantKey
+from specpool.learning.online import OnlineDrafterLearner
+from specpool.learning.online_heads import OnlineHeadLearner, build_served_head, check_head_record, head_record_bd
 from specpool.learning.zoo_weights import build_served_model
 
 log = logging.getLogger("specpool.hot_swap")
 
 
+@dataclass(frozen=True)
+class LearnableKind:
+    """What online learning needs of one drafter kind it trains."""
+
+    drafter: type  # the drafter class
+    network: type  # the class of its network (what the learner trains)
+    network_of: Callable[[Any], nn.Module]  # a drafter's network
+    learner: type[OnlineDrafterLearner]  # the online learner of one variant
+    served_network: Callable[[Any, dict[str, torch.Tensor], dict], nn.Module]  # (base, tensors, metadata) -> a version's network
+    record_bd: Callable[[nn.Module, Sequence[FeedbackRecord], str], list[torch.Tensor]]  # held-out BD per record
+    check_record: Callable[[FeedbackRecord, Any], None]  # raises BadFeedback for a record it cannot learn from
+    rebuild: Callable[[Any, nn.Module], Drafter]  # (base drafter, a version's network) -> that version's drafter
+
+
+def _check_vocabulary(record: FeedbackRecord, network) -> None:
+    vocab_size = network.embedding.shape[0]
+    if any(t >= vocab_size for t in record.context + record.draft) or \
+            any(t >= vocab_size for row in record.target_ids for t in row):
+        raise BadFeedback("out_of_range", f"token ids outside the drafter's vocabulary of {vocab_size}")
+
+
+def _check_head_record(record: FeedbackRecord, head: EagleHead) -> None:
+    _check_vocabulary(record, head)
+    check_head_record(record, head)
+
+
+LEARNABLE: tuple[LearnableKind, ...] = (
+    LearnableKind(
+        ZooDrafter, ZooLM, lambda d: d.model, OnlineDrafterLearner, build_served_model, record_bd, _check_vocabulary,
+        lambda base, model: ZooDrafter(base.name, model, base.metadata, top_k=base.top_k,
+                                       confidence_threshold=base.confidence_threshold)),
+    LearnableKind(
+        EagleDrafter, EagleHead, lambda d: d.head, OnlineHeadLearner, build_served_head, head_record_bd, _check_head_record,
+        lambda base, head: EagleDrafter(base.name, head, base.metadata, top_k=base.top_k,
+                                        confidence_threshold=base.confidence_threshold, cache_capacity=base.cache_capacity)),
+)
+
+
+def drafter_kind(drafter) -> LearnableKind | None:
+    """The kind that trains ``drafter`` (None: it does not learn online)."""
+    return next((k for k in LEARNABLE if isinstance(drafter, k.drafter) and isinstance(k.network_of(drafter), k.network)), None)
+
+
+def network_kind(network) -> LearnableKind:
+    """The kind whose learner trains ``network`` (a drafter's network from ``network_of``)."""
+    kind = next((k for k in LEARNABLE if isinstance(network, k.network)), None)
+    if kind is None:
+        raise InvalidArgument(f"online learning does not train a {type(network).__name__}")
+    return kind
+
+
 def learnable(drafter) -> bool:
-    """Online learning trains zoo drafters (small networks on a frozen shared embedding)."""
-    return isinstance(drafter, ZooDrafter) and isinstance(drafter.model, ZooLM)
+    """Online learning trains zoo drafters (small networks on a frozen shared embedding) and
+    white-box heads (``LEARNABLE``)."""
+    return drafter_kind(drafter) is not None
 
 
-def version_drafter(base: ZooDrafter, store: ModelStore, key: VariantKey, version: int) -> ZooDrafter:
+def network_of(drafter) -> nn.Module | None:
+    """The network online learning trains in ``drafter`` (None: it does not learn)."""
+    kind = drafter_kind(drafter)
+    return kind.network_of(drafter) if kind is not None else None
+
+
+def version_drafter(base: Drafter, store: ModelStore, key: VariantKey, version: int) -> Drafter:
     """The drafter of one published version (0: ``base``, the shipped weights); raises when the
     store cannot give it."""
     if version == 0:
         return base
+    kind = drafter_kind(base)
+    if kind is None:
+        raise InvalidArgument(f"drafter {key.drafter!r} does not learn online")
     tensors, metadata = store.load(key, version)
-    model = build_served_model(base.model, tensors, metadata)
-    return ZooDrafter(base.name, model, base.metadata, top_k=base.top_k, confidence_threshold=base.confidence_threshold)
+    return kind.rebuild(base, kind.served_network(kind.network_of(base), tensors, metadata))
 
 
 class DrafterSlot:
-    def __init__(self, key: VariantKey, base: ZooDrafter, store: ModelStore, refresh_every_s: float = 5.0):
+    def __init__(self, key: VariantKey, base: Drafter, store: ModelStore, refresh_every_s: float = 5.0):
         self.key = key
         self.base = base  # version 0: the shipped weights
         self.store = store
         self.refresh_every_s = refresh_every_s
-        self._current: tuple[int, ZooDrafter] = (0, base)  # replaced whole: reads need no lock
+        self._current: tuple[int, Drafter] = (0, base)  # replaced whole: reads need no lock
         self._lock = threading.Lock()  # one refresh at a time
         self._checked = 0.0
         self.swaps = 0
         self.load_errors = 0
 
-    def pin(self) -> tuple[int, ZooDrafter]:
+    def pin(self) -> tuple[int, Drafter]:
         """The (version, drafter) a starting request uses throughout."""
         return self._current
 
@@ -103,7 +180,7 @@ class ServedVariants:
     (which ``release`` still reaches), and version 0 is ``base``.
     """
 
-    def __init__(self, base: ZooDrafter, store: ModelStore, shared: bool = False, refresh_every_s: float = 5.0,
+    def __init__(self, base: Drafter, store: ModelStore, shared: bool = False, refresh_every_s: float = 5.0,
                  keep: int = 4, max_tenants: int = 256):
         if max_tenants < 1 or keep < 1:
             raise InvalidArgument(f"max_tenants and keep must be >= 1, got {max_tenants}, {keep}")
@@ -111,13 +188,13 @@ class ServedVariants:
         self.max_tenants = max_tenants
         self.evicted = 0
         self._slots: OrderedDict[VariantKey, DrafterSlot] = OrderedDict()  # least recently used first
-        self._held: OrderedDict[tuple[VariantKey, int], ZooDrafter] = OrderedDict()
+        self._held: OrderedDict[tuple[VariantKey, int], Drafter] = OrderedDict()
         self._lock = threading.Lock()
 
     def key(self, tenant: str) -> VariantKey:
         return VariantKey(SHARED_SCOPE if self.shared else tenant, self.base.name)
 
-    def pick(self, tenant: str, version: int = 0, exact: bool = False) -> tuple[int, ZooDrafter]:
+    def pick(self, tenant: str, version: int = 0, exact: bool = False) -> tuple[int, Drafter]:
         """(version, drafter) for a round of ``tenant``'s request; see the class docstring."""
         if not tenant:  # a caller that names no tenant gets the shipped weights
             if exact and version != 0:

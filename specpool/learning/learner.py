@@ -18,11 +18,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Mapping
 
+from torch import nn
+
 from specpool.drafters.base import Drafter
-from specpool.drafters.zoo_model import ZooLM
 from specpool.learning.feedback import FeedbackEmitter, InProcessFeedbackStream
 from specpool.learning.feedback_redis import RedisFeedbackStream
-from specpool.learning.hot_swap import DrafterSlot, learnable
+from specpool.learning.hot_swap import DrafterSlot, learnable, network_of
 from specpool.learning.learner_loop import Learner
 from specpool.learning.learning_config import LearningConfig, scope_for
 from specpool.learning.model_store import VariantKey, open_model_store
@@ -133,9 +134,9 @@ class EmbeddedLearning:
     def _wanted(self, name: str, drafter: Drafter) -> bool:
         return learnable(drafter) and (self.config.drafters is None or name in self.config.drafters)
 
-    def _base_model(self, name: str) -> ZooLM | None:
+    def _base_model(self, name: str) -> nn.Module | None:
         drafter = self._bases.get(name)
-        return drafter.model if drafter is not None else None
+        return network_of(drafter) if drafter is not None else None
 
     def slot(self, tenant_scope: str, name: str) -> DrafterSlot | None:
         return self._slots.get(VariantKey(tenant_scope, name))

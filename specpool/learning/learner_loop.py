@@ -52,16 +52,15 @@ from collections import OrderedDict, deque
 from typing import Callable
 
 import torch
+from torch import nn
 
 from specpool.core.errors import InvalidArgument, ModelUnavailable, StoreUnavailable
-from specpool.drafters.zoo_model import ZooLM
-from specpool.learning.evaluation import paired, record_bd
+from specpool.learning.evaluation import paired
 from specpool.learning.feedback import BadFeedback, Delivery, FeedbackRecord, FeedbackSource
 from specpool.learning.learner_checkpoint import VariantState, checkpoint_conflict, restore_checkpoint, save_checkpoint
 from specpool.learning.learning_config import LearningConfig, scope_for
+from specpool.learning.hot_swap import network_kind
 from specpool.learning.model_store import ModelStore, VariantKey
-from specpool.learning.online import OnlineDrafterLearner
-from specpool.learning.zoo_weights import build_served_model
 
 log = logging.getLogger("specpool.learner")
 
@@ -82,7 +81,7 @@ class Learner:
         config: LearningConfig,
         source: FeedbackSource,
         store: ModelStore,
-        base_model: Callable[[str], ZooLM | None],
+        base_model: Callable[[str], nn.Module | None],
         consumer: str = "learner-1",
         on_promote: Callable[[VariantKey, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -96,7 +95,7 @@ class Learner:
         self.config = config
         self.source = source
         self.store = store
-        self.base_model = base_model  # drafter name -> its shipped network, or None (not learnable)
+        self.base_model = base_model  # drafter name -> its shipped network (a zoo network or a head), or None (not learnable)
         self.consumer = consumer
         self.on_promote = on_promote
         self.clock = clock
@@ -234,10 +233,10 @@ class Learner:
             self.counters["not_learnable"] += 1
             self._ack([delivery.entry_id])
             return
-        vocab_size = variant.base.embedding.shape[0]
-        if any(t >= vocab_size for t in record.context + record.draft) or \
-                any(t >= vocab_size for row in record.target_ids for t in row):
-            self._reject("out_of_range")
+        try:
+            network_kind(variant.base).check_record(record, variant.base)  # token ids in range; a head's features
+        except BadFeedback as exc:
+            self._reject(exc.reason)
             self._ack([delivery.entry_id])
             return
         if record.record_id in variant.applied:
@@ -315,7 +314,7 @@ class Learner:
             return None
         if key in self._conflicts:
             raise ModelUnavailable(self._conflicts[key])
-        variant = VariantState(key, OnlineDrafterLearner(base, self.config.online), base)
+        variant = VariantState(key, network_kind(base).learner(base, self.config.online), base)
         state = self.store.load_state(key)
         conflict = checkpoint_conflict(self.config.online, state, key, self.store.describe)
         if conflict is not None:  # its records stay pending (counted as errors), none is dropped
@@ -408,8 +407,9 @@ class Learner:
         version); all None when fewer than ``min_holdout`` records are held out (promoted unchecked)."""
         if len(holdout) < self.config.min_holdout:
             return None, None, None
-        candidate = build_served_model(variant.base, tensors, metadata)
-        candidate_scores = record_bd(candidate, holdout, self.config.rollback_metric)
+        kind = network_kind(variant.base)
+        candidate = kind.served_network(variant.base, tensors, metadata)
+        candidate_scores = kind.record_bd(candidate, holdout, self.config.rollback_metric)
         comparison = paired(torch.cat(candidate_scores), torch.cat(self._serving_scores(variant, holdout)))
         return candidate, candidate_scores, comparison
 
@@ -421,7 +421,8 @@ class Learner:
         missing = [r for r in holdout if r.record_id not in known]
         if missing:
             known.update(zip((r.record_id for r in missing),
-                             record_bd(self._serving_model(variant), missing, self.config.rollback_metric)))
+                             network_kind(variant.base).record_bd(self._serving_model(variant), missing,
+                                                                  self.config.rollback_metric)))
         known = {r.record_id: known[r.record_id] for r in holdout}  # records no longer held out are dropped
         variant.serving_bd = (version, known)
         return [known[r.record_id] for r in holdout]
@@ -432,14 +433,14 @@ class Learner:
         if variant.serving_model is not None and variant.serving_model[0] == variant.serving_version:
             return variant.serving_model[1]  # the candidate this learner built and promoted
         tensors, metadata = self.store.load(variant.key, variant.serving_version)
-        model = build_served_model(variant.base, tensors, metadata)
+        model = network_kind(variant.base).served_network(variant.base, tensors, metadata)
         variant.serving_model = (variant.serving_version, model)
         return model
 
     def _restore_serving(self, variant: VariantState) -> None:
         """Back to the serving version's weights, without the rolled-back steps' optimistic hints
         (stale), but with the AdaGrad sums, so the step sizes do not start over at full size."""
-        fresh = OnlineDrafterLearner(variant.base, self.config.online)
+        fresh = network_kind(variant.base).learner(variant.base, self.config.online)
         if variant.serving_version:
             tensors, metadata = self.store.load(variant.key, variant.serving_version)
             fresh.load_serving_tensors(tensors)

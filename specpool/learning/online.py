@@ -184,9 +184,7 @@ class OnlineDrafterLearner:
         lrs = config.hedge_lrs if config.algorithm == "hedge" else (config.lr,)
         self.lrs = tuple(float(x) for x in lrs)
         self.update_rule = config.hedge_member if config.algorithm == "hedge" else config.algorithm
-        self.members = [clone_zoo(base, config.copy_window, config.copy_scale) for _ in self.lrs]
-        for member in self.members:
-            freeze_lower_blocks(member, config.trainable_blocks)
+        self.members = [self._clone(base) for _ in self.lrs]
         self.weights = torch.full((len(self.lrs),), 1.0 / len(self.lrs))  # Hedge weights (M,)
         self.previous: list[list[torch.Tensor] | None] = [None] * len(self.lrs)  # optimistic hints
         self.accumulated: list[list[torch.Tensor] | None] = [None] * len(self.lrs)  # AdaGrad's G
@@ -194,6 +192,37 @@ class OnlineDrafterLearner:
         self.vocab_map = vocab_map_for(base)
         self.base_vocab = len(base.vocab_ids)
         self.outside_mass = torch.zeros(base.vocab_size)  # (V,) target p seen on tokens outside the vocabulary
+
+    # -- what depends on the network (a white-box head's learner overrides these: online_heads.py) --
+
+    def _clone(self, base: ZooLM) -> ZooLM:
+        """A trainable member: a copy of ``base`` (with the copy term, lower blocks frozen)."""
+        member = clone_zoo(base, self.config.copy_window, self.config.copy_scale)
+        freeze_lower_blocks(member, self.config.trainable_blocks)
+        return member
+
+    def _load_member(self, member: ZooLM, state: dict[str, torch.Tensor]) -> None:
+        load_own_state(member, state)
+
+    def _member_loss(self, member: ZooLM, batch: FeedbackBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss a member descends on ``batch``, its detached output for the served loss)."""
+        ids, probs = batch.ids[batch.mask], batch.probs[batch.mask]  # (N, K)
+        # The first supervised position of any record: everything before it is context.
+        detach_before = int(batch.mask.float().argmax(1)[batch.mask.any(1)].min()) if self.config.detach_context else 0
+        logits = member.logits_at(batch.inputs.to(member.device), batch.mask.to(member.device), detach_before)  # (N, V_r)
+        return distillation_loss(logits, ids.to(logits.device), probs.to(logits.device)), logits.detach().cpu()
+
+    def _served_loss(self, batch: FeedbackBatch, outputs: list[torch.Tensor], losses: list[float]) -> float:
+        """The served distribution's loss from the members' outputs of ``_member_loss``."""
+        return float(distillation_loss(self.mixture_log_probs(outputs), batch.ids[batch.mask], batch.probs[batch.mask]))
+
+    def _network_metadata(self) -> dict:
+        """What a published version says about the network beyond its tensors (the copy term)."""
+        config = self.members[0].config
+        if not config.copy_window:
+            return {}
+        return dict(copy_window=config.copy_window, copy_scale=config.copy_scale,
+                    copy_weights=[round(float(m.copy_weight.detach()) * config.copy_scale, 4) for m in self.members])
 
     @property
     def grown(self) -> int:
@@ -267,26 +296,21 @@ class OnlineDrafterLearner:
         """One online update on ``batch``; None when it has no supervised position."""
         if batch.positions == 0:
             return None
-        ids, probs = batch.ids[batch.mask], batch.probs[batch.mask]  # (N, K)
-        # The first supervised position of any record: everything before it is context.
-        detach_before = int(batch.mask.float().argmax(1)[batch.mask.any(1)].min()) if self.config.detach_context else 0
-        member_losses, served_logits = [], []
+        member_losses, outputs = [], []
         for i, (member, lr) in enumerate(zip(self.members, self.lrs)):
             params = self._params(member)
-            logits = member.logits_at(batch.inputs.to(member.device), batch.mask.to(member.device),
-                                      detach_before)  # (N, V_r)
-            loss = distillation_loss(logits, ids.to(logits.device), probs.to(logits.device))
+            loss, output = self._member_loss(member, batch)
             grads = clip_grads(torch.autograd.grad(loss, params), self.config.clip_norm)
             if self.config.precondition == "adagrad":
                 grads, self.accumulated[i] = adagrad_scale(grads, self.accumulated[i], self.config.adagrad_eps)
             member_losses.append(float(loss.detach()))
-            served_logits.append(logits.detach().cpu())
+            outputs.append(output)
             if self.update_rule == "optimistic":
                 optimistic_step(params, grads, self.previous[i], lr)
                 self.previous[i] = [g.detach().clone() for g in grads]
             else:
                 ogd_step(params, grads, lr)
-        served = float(distillation_loss(self.mixture_log_probs(served_logits), ids, probs))
+        served = self._served_loss(batch, outputs, member_losses)
         if len(self.members) > 1:
             capped = torch.tensor([min(x, self.config.loss_cap) if math.isfinite(x) else self.config.loss_cap
                                    for x in member_losses])
@@ -308,11 +332,7 @@ class OnlineDrafterLearner:
         metadata = {"members": len(self.members), "algorithm": self.config.algorithm, "lrs": list(self.lrs),
                     "hedge_weights": [round(float(w), 6) for w in self.weights],
                     "served_members": [i for i, w in enumerate(served) if w > 0], "steps": self.steps,
-                    "vocab": len(self.members[0].vocab_ids), "vocab_grown": self.grown}
-        config = self.members[0].config
-        if config.copy_window:
-            metadata.update(copy_window=config.copy_window, copy_scale=config.copy_scale,
-                            copy_weights=[round(float(m.copy_weight.detach()) * config.copy_scale, 4) for m in self.members])
+                    "vocab": len(self.members[0].vocab_ids), "vocab_grown": self.grown, **self._network_metadata()}
         return tensors, metadata
 
     def _match_vocab(self, vocab_ids: torch.Tensor | None) -> None:
@@ -329,7 +349,7 @@ class OnlineDrafterLearner:
         for i, member in enumerate(self.members):
             prefix = f"members.{i}."
             own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            load_own_state(member, {**own, "vocab_ids": member.vocab_ids})
+            self._load_member(member, {**own, "vocab_ids": member.vocab_ids})
         self.weights = tensors["hedge_weights"].clone()
 
     def adopt_step_sizes(self, other: "OnlineDrafterLearner") -> bool:
@@ -375,7 +395,7 @@ class OnlineDrafterLearner:
         if "outside_mass" in state:
             self.outside_mass = state["outside_mass"].to_dense().clone()
         for member, own in zip(self.members, state["members"]):
-            load_own_state(member, {**own, "vocab_ids": member.vocab_ids})
+            self._load_member(member, {**own, "vocab_ids": member.vocab_ids})
         self.previous = [None if p is None else [g.clone() for g in p] for p in state["previous"]]
         self.accumulated = [None if a is None else [g.clone() for g in a]
                             for a in state.get("accumulated", [None] * len(self.members))]

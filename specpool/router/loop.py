@@ -10,9 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+import torch
+
 from specpool.drafters.base import Drafter, Proposal, Replayable, WhiteBox, reads_features
 from specpool.core.errors import FailedPrecondition
-from specpool.target.features import FeatureGap
+from specpool.target.features import FeatureGap, FeatureLog, Features
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
@@ -72,6 +74,10 @@ class RoundFeedback:
     proposal: Proposal  # draft tokens and the q they were drawn from
     result: VerifyResult  # accepted count; target_top_k when the request asked for it
     record: RoundRecord
+    # A white-box drafter's round: the target's features this request has been handed, from the
+    # first position the target fed it (online learning of the heads). A view, valid during the
+    # callback only: feedback copies the rows it keeps.
+    features: Features | None = None
 
 
 class DrafterChooser(Protocol):
@@ -169,6 +175,23 @@ def _hand_features(white_box: Sequence[WhiteBox], verifier: Verifier, request: V
     return result
 
 
+class _SeenFeatures:
+    """The features one request has been handed, for its white-box rounds' feedback (float16,
+    as they travel): rows from the first position the target fed, replaced from each round's start."""
+
+    def __init__(self):
+        self.base = 0
+        self.log: FeatureLog | None = None
+
+    def observe(self, features: Features) -> None:
+        if self.log is None or not self.base <= features.start <= self.base + len(self.log):
+            self.base, self.log = features.start, FeatureLog(int(features.rows.shape[1]), torch.float16)
+        self.log.apply(Features(features.start - self.base, features.rows))
+
+    def view(self) -> Features | None:
+        return None if self.log is None else Features(self.base, self.log.rows(0))
+
+
 def _replay(chooser: DrafterChooser, drafters: Mapping[str, Drafter], session_id: str, context: list[int],
             target_tokens: list[int], k: int, params: SamplingParams,
             source: str | None) -> tuple[dict[str, int] | None, float]:
@@ -229,6 +252,7 @@ def speculative_generate(
     stop_ids = set(params.stop_token_ids)
     finish_reason = "length"
     white_box: list[WhiteBox] = [d for d in drafters.values() if reads_features(d)]  # type: ignore[misc]
+    seen = _SeenFeatures() if white_box and feedback is not None else None
     while len(generated) < params.max_new_tokens:
         if should_stop is not None and should_stop():
             finish_reason = "cancelled"
@@ -250,6 +274,8 @@ def speculative_generate(
         verified = time.perf_counter()
         if white_box:
             result = _hand_features(white_box, verifier, request, result)
+            if seen is not None:
+                seen.observe(result.features)
 
         emitted = result.tokens
         for i, token in enumerate(emitted):
@@ -283,7 +309,8 @@ def speculative_generate(
         if on_round is not None:
             on_round(record)
         if feedback is not None and proposal.tokens and name is not None:
-            feedback(RoundFeedback(session_id, context, name, proposal, result, record))
+            features = seen.view() if seen is not None and reads_features(drafters[name]) else None
+            feedback(RoundFeedback(session_id, context, name, proposal, result, record, features))
         if finish_reason == "stop":
             break
     return GenerationResult(generated, finish_reason, rounds, time.perf_counter() - started)
