@@ -143,6 +143,12 @@ class EagleDrafter:
         self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
 
+    @property
+    def model(self) -> EagleHead:
+        """The network it drafts with, by the name zoo drafters give theirs: what the online
+        learner trains (specpool/learning/hot_swap.py, ``specpool learner``'s base models)."""
+        return self.head
+
     def _session(self, session_id: str) -> HeadSession:
         session = self._sessions.pop(session_id, None)
         if session is None:
