@@ -3,8 +3,11 @@ prompts from a domain they were not trained on (issue 6).
 
     python -m bench.online --corpus ../shared/data/prose/gutenberg --drafter chat --limit 150
 
-The prompts are passages of the corpus (bench/online_stream.py). Every system answers every
-prompt, in one process, the order rotating from prompt to prompt (A B C D, B C D A, ...):
+``--drafter`` is a zoo drafter or a white-box head (``eagle:general``: its feedback records carry
+the target's features, and the learners train the head with the offline recipe's loss,
+specpool/learning/online_heads.py). The prompts are passages of the corpus
+(bench/online_stream.py). Every system answers every prompt, in one process, the order
+rotating from prompt to prompt (A B C D, B C D A, ...):
 
     frozen       the shipped drafter, never updated
     ogd          online gradient descent on the distillation loss (specpool/learning/online.py)

@@ -18,7 +18,9 @@ from specpool.learning.online import SUPERVISION, OnlineConfig
 def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default="../shared/data/prose/gutenberg", help="text file or folder of the stream's domain")
     parser.add_argument("--limit", type=int, default=150, help="prompts in the stream (default 150)")
-    parser.add_argument("--drafter", default="chat", help="the zoo drafter every system starts from (default chat)")
+    parser.add_argument("--drafter", default="chat",
+                        help="the drafter every system starts from: a zoo drafter, or a white-box head eagle:NAME "
+                             "whose records carry the target's features (default chat)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length (default {DEFAULT_K})")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
@@ -124,7 +126,8 @@ def add_bench_online_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "online learning (bench/online.py)",
         "drafters learning on a stream from an unseen domain; --prompts is then "
-        f"the corpus (text file or folder, e.g. ../shared/data/prose/gutenberg), --drafters one zoo drafter "
+        f"the corpus (text file or folder, e.g. ../shared/data/prose/gutenberg), --drafters one zoo drafter or "
+        f"white-box head (eagle:NAME) "
         f"(default {ONLINE_DEFAULTS['drafters']}), --max-new-tokens defaults to {ONLINE_DEFAULTS['max_new_tokens']}, "
         f"--out to ./{ONLINE_DEFAULTS['out']}")
     group.add_argument("--online", action="store_true", help="switch to the online learning benchmark (frozen vs ogd, optimistic, hedge)")
