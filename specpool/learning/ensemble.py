@@ -1,4 +1,5 @@
-"""An online ensemble of zoo drafter networks served as one drafter.
+"""An online ensemble of zoo drafter networks served as one drafter (``MemberMixture``, its base,
+also serves a white-box heads' ensemble: specpool/learning/online_heads.py).
 
 The ``hedge`` algorithm (specpool/learning/online.py) learns members that differ only in their
 step size and weights them by Hedge (Freund & Schapire 1997). The drafter's q is the mixture in
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpool.core.errors import InvalidArgument
-from specpool.drafters.zoo_model import KVCache, ZooLM, ZooOutput
+from specpool.drafters.zoo_model import KVCache, ZooOutput
 
 
 def served_weights(weights: torch.Tensor, minimum: float) -> torch.Tensor:
@@ -53,11 +54,11 @@ class EnsembleCache:
             cache.crop(tokens_to_remove)
 
 
-class ZooEnsembleLM(nn.Module):
-    """Members combined in output-distribution space: its "logits" are log(sum_i w_i q_i), so
-    softmax of them is the mixture q (and the drafter's top-K/temperature apply to the mixture)."""
+class MemberMixture(nn.Module):
+    """What an ensemble of drafting networks (zoo networks, white-box heads: online_heads.py) shares:
+    its members, their weights (M,), and the members' vocabulary, device and caches."""
 
-    def __init__(self, members: list[ZooLM], weights: torch.Tensor):
+    def __init__(self, members: list[nn.Module], weights: torch.Tensor):
         super().__init__()
         if len(members) != len(weights):
             raise InvalidArgument(f"{len(members)} members but {len(weights)} weights")
@@ -79,6 +80,11 @@ class ZooEnsembleLM(nn.Module):
 
     def new_cache(self) -> EnsembleCache:
         return EnsembleCache([m.new_cache() for m in self.members])
+
+
+class ZooEnsembleLM(MemberMixture):
+    """Members combined in output-distribution space: its "logits" are log(sum_i w_i q_i), so
+    softmax of them is the mixture q (and the drafter's top-K/temperature apply to the mixture)."""
 
     def logits_at(self, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """log of the mixture q (N, V_r) at the positions ``where`` marks (as ``ZooLM.logits_at``)."""

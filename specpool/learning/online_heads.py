@@ -37,12 +37,12 @@ from specpool.drafters.eagle_model import EagleHead
 from specpool.drafters.zoo_model import KVCache
 from specpool.learning.batches import vocab_map_for
 from specpool.learning.eagle_train import FeatureSequence, collate_heads, head_loss
-from specpool.learning.ensemble import EnsembleCache, mixture_log_probs
+from specpool.learning.ensemble import EnsembleCache, MemberMixture, mixture_log_probs
 from specpool.learning.evaluation import sparse_tv
 from specpool.learning.feedback import BadFeedback, FeedbackRecord
 from specpool.learning.online import OnlineDrafterLearner
 from specpool.learning.zoo_train import distillation_loss
-from specpool.learning.zoo_weights import freeze_lower_blocks
+from specpool.learning.zoo_weights import freeze_lower_blocks, version_members
 
 RECIPE = "eagle"  # the offline recipe whose loss the online updates descend (teacher-forced)
 REGRESSION_WEIGHT = 1.0  # as the offline default (HeadOptions.regression_weight)
@@ -177,32 +177,11 @@ class OnlineHeadLearner(OnlineDrafterLearner):
 # --- a published version as a drafting head -----------------------------------------------------------
 
 
-class EagleEnsembleHead(nn.Module):
+class EagleEnsembleHead(MemberMixture):
     """Heads mixed in output-distribution space, drafting as one ``EagleHead`` does: ``forward``
     returns every member's predicted features side by side (B, T, M*d) and takes either the
     target's features (B, T, d: the same for every member) or such a concatenation (its own
     guesses); ``reduced_logits`` of it is log(sum_i w_i q_i), so softmax is the mixture q."""
-
-    def __init__(self, members: list[EagleHead], weights: torch.Tensor):
-        super().__init__()
-        self.members = nn.ModuleList(members)
-        self.register_buffer("weights", weights.float().clone())  # (M,)
-        self.config = members[0].config
-
-    @property
-    def vocab_ids(self) -> torch.Tensor:
-        return self.members[0].vocab_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self.members[0].vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.members[0].device
-
-    def new_cache(self) -> EnsembleCache:
-        return EnsembleCache([m.new_cache() for m in self.members])
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, cache: EnsembleCache | None = None,
                 start: int | None = None) -> torch.Tensor:
@@ -221,19 +200,15 @@ def build_served_head(base: EagleHead, tensors: dict[str, torch.Tensor], metadat
     """The drafting head of a published version (``OnlineHeadLearner.serving_tensors``): one
     EagleHead, or an EagleEnsembleHead of the members the version serves."""
     try:
-        count = int(metadata.get("members", 1))
-        weights = tensors["served_weights"] if "served_weights" in tensors else tensors.get("hedge_weights")
-        chosen = [i for i in range(count) if count == 1 or float(weights[i]) > 0]
+        states, weights = version_members(tensors, metadata)
         members = []
-        for i in chosen:
-            prefix = f"members.{i}."
-            state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        for state in states:
             head = EagleHead(base.config, base.embedding, base.vocab_ids.clone(), base.output)
             head.load_state_dict({**state, "vocab_ids": base.vocab_ids})
             members.append(head.to(base.device).eval())
-        if len(members) == 1:
+        if weights is None:
             return members[0]
-        return EagleEnsembleHead(members, weights[chosen] / weights[chosen].sum()).to(base.device).eval()
+        return EagleEnsembleHead(members, weights).to(base.device).eval()
     except Exception as exc:  # noqa: BLE001 - a bad version must not take serving down
         raise ModelUnavailable(f"published head weights do not fit the head ({type(exc).__name__}: {exc})") from None
 

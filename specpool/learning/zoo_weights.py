@@ -60,6 +60,17 @@ def own_state(model: ZooLM) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k != "vocab_ids"}
 
 
+def version_members(tensors: dict[str, torch.Tensor], metadata: dict) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+    """The states (float32) of the members a published version serves - those its served mixture
+    (``served_weights``) keeps - and their weights renormalised (None when one member is left)."""
+    count = int(metadata.get("members", 1))
+    weights = tensors["served_weights"] if "served_weights" in tensors else tensors.get("hedge_weights")
+    chosen = [i for i in range(count) if count == 1 or float(weights[i]) > 0]
+    states = [{k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+              for prefix in (f"members.{i}." for i in chosen)]
+    return states, (weights[chosen] / weights[chosen].sum() if len(chosen) > 1 else None)
+
+
 def build_served_model(base: ZooLM, tensors: dict[str, torch.Tensor], metadata: dict) -> nn.Module:
     """The drafter network of a published version: a ZooLM, or a ZooEnsembleLM for several members.
     A version learnt with vocabulary growth carries its own ``vocab_ids``, one with a copy term
@@ -67,21 +78,16 @@ def build_served_model(base: ZooLM, tensors: dict[str, torch.Tensor], metadata: 
     its served mixture (``served_weights``): members left out of it are not built, and a single
     one left is served alone."""
     try:
-        count = int(metadata.get("members", 1))
         vocab_ids = tensors["vocab_ids"].long() if "vocab_ids" in tensors else base.vocab_ids
         config = with_copy_term(base.config, int(metadata.get("copy_window", 0)), float(metadata.get("copy_scale", 100.0)))
-        weights = tensors["served_weights"] if "served_weights" in tensors else tensors.get("hedge_weights")
-        chosen = [i for i in range(count) if count == 1 or float(weights[i]) > 0]
+        states, weights = version_members(tensors, metadata)
         members = []
-        for i in chosen:
-            prefix = f"members.{i}."
-            state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
-            state["vocab_ids"] = vocab_ids
+        for state in states:
             member = ZooLM(config, base.embedding, vocab_ids)
-            member.load_state_dict(state)
+            member.load_state_dict({**state, "vocab_ids": vocab_ids})
             members.append(member.to(base.device).eval())
-        if len(members) == 1:
+        if weights is None:
             return members[0]
-        return ZooEnsembleLM(members, weights[chosen] / weights[chosen].sum()).to(base.device).eval()
+        return ZooEnsembleLM(members, weights).to(base.device).eval()
     except Exception as exc:  # noqa: BLE001 - a bad version must not take serving down
         raise ModelUnavailable(f"published drafter weights do not fit the drafter ({type(exc).__name__}: {exc})") from None
