@@ -2,8 +2,9 @@
 
 A request *pins* a slot's current (version, drafter) when it starts and uses that drafter object
 for all its rounds; a swap only replaces what the *next* request pins. Each version is its own
-drafter (``ZooDrafter`` or ``EagleDrafter``: own network, own KV caches), so a request never mixes versions: not in weights,
-not in cached keys/values. An old version lives on until its last request releases it.
+drafter (``ZooDrafter`` or ``EagleDrafter``: own network, own KV caches or feature logs), so a
+request never mixes versions: not in weights, not in cached keys/values. An old version lives on
+until its last request releases it.
 
 The slot follows the store's serving version (``refresh``): the embedded learner calls it right
 after promoting; a drafter replica in served mode calls ``maybe_refresh`` between requests.

@@ -53,7 +53,9 @@ tensors and checkpoint). Its parts live beside it in specpool/learning/:
 - ensemble.py: the Hedge mixture as one drafter network (``ZooEnsembleLM``);
 - zoo_weights.py: trainable copies of a zoo network and the network of a published version
   (``clone_zoo``, ``build_served_model``);
-- evaluation.py: BD on held-out records and the paired comparison of two versions.
+- evaluation.py: BD on held-out records and the paired comparison of two versions;
+- online_heads.py: the same learner over white-box heads (``OnlineHeadLearner`` overrides the
+  network-specific methods: ``_clone``, ``_member_loss``, ``_served_loss``, ``batch``, ...).
 """
 
 from __future__ import annotations
