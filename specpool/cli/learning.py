@@ -230,7 +230,7 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
     for name in drafters:
         if not known_spec(name):
             raise NotFound(f"unknown drafter {name!r} in --drafters; the learner trains zoo drafters "
-                           f"({', '.join(shipped_names())} or zoo:PATH)")
+                           f"({', '.join(shipped_names())} or zoo:PATH) and white-box heads (eagle:NAME or eagle:PATH)")
     check(args.max_records is None or args.max_records >= 1, f"--max-records must be >= 1, got {args.max_records}")
     check(args.claim_idle_s >= 0, f"--claim-idle-s must be >= 0, got {args.claim_idle_s}")
     check(args.report_every_s > 0, f"--report-every-s must be > 0, got {args.report_every_s}")

@@ -256,7 +256,7 @@ def head_loss(head: EagleHead, batch: dict[str, torch.Tensor], recipe: str, unro
         logits = head.reduced_logits(predicted[where])  # (N, V_r)
         ce = distillation_loss(logits, batch["label_ids"][:, j:][where], batch["label_probs"][:, j:][where])
         total = total + regression_weight * regression + ce
-        stats[f"regression{j}"], stats[f"ce{j}"] = float(regression), float(ce)
+        stats[f"regression{j}"], stats[f"ce{j}"] = float(regression.detach()), float(ce.detach())
         guess = head.vocab_ids[logits.argmax(-1)]
         stats[f"agree{j}"] = float((guess == batch["next_token"][:, j:][where]).float().mean()) if len(guess) else 0.0
         # Step j+1: position t reads the guess of f_t that step j made at position t-1.
