@@ -434,11 +434,17 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     train_prompts, heldout_prompts = split_heldout(prompts)
     reference_prompts, reference_index, reference_store = [], {}, None
     if options.reference_answers > 0:
-        pairs = collect_pairs([Path(p) for p in config.data], options.reference_answers, config.seed)
-        # The held-out rule is a function of the prompt: a prompt held out on-policy never trains here either.
+        reference_store = home / "zoo" / "teacher" / reference_store_key(config, fingerprint)
+        # Every pair of the corpus in its seeded order, the ones the store has already read first: a
+        # rerun with another N (or a run that stopped at its time limit) reuses the reads it paid for.
+        pairs = collect_pairs([Path(p) for p in config.data], 1 << 62, config.seed)
+        # The held-out rule is a function of the prompt (applied over the whole corpus, before any
+        # cut): a prompt held out on-policy never trains here either.
         kept = set(split_heldout([p for p, _ in pairs])[0])
         pairs = [(p, r) for p, r in pairs if p in kept]
-        reference_store = home / "zoo" / "teacher" / reference_store_key(config, fingerprint)
+        stored = set(teacher_index(reference_store)) if reference_store.exists() else set()
+        pairs = ([pr for pr in pairs if prompt_hash(pr[0]) in stored]
+                 + [pr for pr in pairs if prompt_hash(pr[0]) not in stored])[:options.reference_answers]
         reference_index = reference_teacher(target, tokenizer, pairs, reference_store, config, stop_ids)
         reference_prompts = [p for p, _ in pairs if prompt_hash(p) in reference_index]
     if teacher_only:

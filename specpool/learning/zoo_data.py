@@ -289,7 +289,9 @@ def collect_pairs(paths: list[Path], limit: int, seed: int, exclude: set[str] | 
             if prompt.strip() and prompt not in seen:
                 seen.add(prompt)
                 pairs.append((prompt, reference))
-        random.Random(f"{seed}:pairs:{path}").shuffle(pairs)
+        # Seeded by the file's own name, not the path's spelling: ../shared/data and /work/shared/data
+        # must choose the same pairs.
+        random.Random(f"{seed}:pairs:{path.parent.name}/{path.name}").shuffle(pairs)
         per_path.append(pairs)
     chosen: list[tuple[str, str]] = []
     index = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -86,6 +87,8 @@ def test_collect_pairs_balances_deduplicates_and_excludes(tmp_path):
     left_out = {p for p, _ in chosen[:3]}
     assert not left_out & {p for p, _ in collect_pairs([big, small], 100, seed=0, exclude=left_out)}
     assert len(collect_pairs([big, small], 100, seed=0)) == 54  # q0 once
+    spelled = Path(os.path.relpath(big)), Path(os.path.relpath(small))  # the same files, spelled otherwise
+    assert collect_pairs(list(spelled), 10, seed=0) == chosen
 
 
 # -- the reference store -----------------------------------------------------------------------------------
@@ -158,7 +161,17 @@ def test_a_run_with_reference_answers_trains_on_both_and_holds_out_the_same_prom
     store = tmp_path / "zoo" / "teacher" / reference_store_key(config, tokenizer_fingerprint(target_lm[1]))
     referenced = set(teacher_index(store))
     assert referenced and not referenced & {prompt_hash(p) for p in heldout}
-    assert metadata["reference_pairs"] == len(referenced) == 60 - len(heldout)
+    assert metadata["reference_pairs"] == len(referenced) == 60 - len(heldout)  # N = 60: every pair not held out
     assert metadata["reference_tokens"] > 0 and metadata["onpolicy_weight"] == 2
     assert metadata["heldout_prompts"] == len(heldout)
     assert "reference answers read teacher-forced" in (tmp_path / "head" / "README.md").read_text()
+    # A run takes the pairs its store already read first: here the last 10 of the seeded order.
+    home = tmp_path / "home2"
+    store2 = home / "zoo" / "teacher" / reference_store_key(config, tokenizer_fingerprint(target_lm[1]))
+    last = [(p, r) for p, r in collect_pairs([answered_corpus], 1000, config.seed) if p not in heldout][-10:]
+    reference_teacher(target_lm[0], target_lm[1], last, store2, config, (target_lm[1].eos_token_id,))
+    shards = sorted(store2.glob("shard-*"))
+    fewer = train_head(config, dataclasses.replace(options, reference_answers=10), home, tmp_path / "unused",
+                       resume=False, target_name=str(model_dirs.target), teacher_only=True)
+    assert fewer["reference_pairs"] == 10
+    assert sorted(store2.glob("shard-*")) == shards  # nothing read again
