@@ -51,21 +51,26 @@ def check_domain(domain: str) -> None:
         raise NotFound(f"unknown domain {domain!r}; known domains: {', '.join(DOMAINS)}")
 
 
-def _python_stubs(source: str) -> list[str]:
-    """Function signatures with their docstrings, bodies left out, from one Python file."""
+def _documented_functions(source: str) -> list[tuple[str, str]]:
+    """(stub, whole function) of each documented function of one file whose stub is 40 ..
+    MAX_PROMPT_CHARS long: the stub is the signature with its docstring, the body left out."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     lines = source.splitlines()
-    stubs = []
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
-            doc = node.body[0]
-            stub = textwrap.dedent("\n".join(lines[node.lineno - 1: doc.end_lineno]))
+            stub = textwrap.dedent("\n".join(lines[node.lineno - 1: node.body[0].end_lineno]))
             if 40 <= len(stub) <= MAX_PROMPT_CHARS:
-                stubs.append(CODE_INSTRUCTION.format(stub=stub.rstrip()))
-    return stubs
+                found.append((stub, textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno]))))
+    return found
+
+
+def _python_stubs(source: str) -> list[str]:
+    """Function signatures with their docstrings, bodies left out, from one Python file."""
+    return [CODE_INSTRUCTION.format(stub=stub.rstrip()) for stub, _ in _documented_functions(source)]
 
 
 def _mbpp_stub(record: dict) -> str | None:
@@ -183,20 +188,8 @@ def _fenced(code: str) -> str:
 
 def _python_pairs(source: str) -> list[tuple[str, str]]:
     """(stub prompt, the whole function in a fence) for each documented function of one file."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    lines = source.splitlines()
-    pairs = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
-            doc = node.body[0]
-            stub = textwrap.dedent("\n".join(lines[node.lineno - 1: doc.end_lineno]))
-            whole = textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno]))
-            if 40 <= len(stub) <= MAX_PROMPT_CHARS and len(whole) > len(stub):
-                pairs.append((CODE_INSTRUCTION.format(stub=stub.rstrip()), _fenced(whole)))
-    return pairs
+    return [(CODE_INSTRUCTION.format(stub=stub.rstrip()), _fenced(whole))
+            for stub, whole in _documented_functions(source) if len(whole) > len(stub)]
 
 
 def _gsm8k_answer(answer: str) -> str:
