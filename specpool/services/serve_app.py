@@ -143,8 +143,21 @@ class _RecentSessions:
         return len(self._order)
 
 
-def _set_threads(threads: int) -> None:
-    torch.set_num_threads(threads)
+def _model_thread(threads: int, prefix: str) -> ThreadPoolExecutor:
+    """The one thread that does all of a replica's torch work, its models' loading included.
+
+    Each thread that runs a parallel torch op gets its own OpenMP team of ``threads`` threads, and
+    a team stays alive after its last op. With two teams in one process (the model loaded on Serve's
+    init thread, forwards on this one) the process holds twice as many compute threads as cores,
+    and every forward slows. Measured on the 2-core Xeon with the default target at 2 threads
+    (a 6-token forward over 300 cached, medians of 15, 8 alternations): 64 ms while one thread had
+    run torch ops, 97-120 ms on either thread once a second had. ``bench-served`` with one head,
+    one session: the target's verify forward took 115 ms served against 73 ms embedded (where one
+    thread does it all), 99 ms once loading moved here; serve_config.target_threads_for did the rest.
+    """
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix)
+    executor.submit(torch.set_num_threads, threads).result()
+    return executor
 
 
 def _quick_thread_switches() -> None:
@@ -183,22 +196,20 @@ class TargetServer:
     """``specpool.v1.Target``: verification of concurrent sessions' rounds, batched."""
 
     def __init__(self, args: TargetArgs):
-        _set_threads(args.threads)
         _quick_thread_switches()
         self.args = args
-        model, tokenizer = load_causal_lm(ModelConfig(args.model, args.device, args.dtype), _home())
-        self.verifier = TargetVerifier(model, tokenizer, args.cache_capacity)
+        # Every model operation runs on this one thread (see _model_thread): batches never overlap,
+        # and Release never races a forward over the same cache.
+        self._model_thread = _model_thread(args.threads, "target-model")
+        self.verifier = self._model_thread.submit(self._load_verifier, args).result()
         self.info = {
             "model": args.model,
-            "stop_token_ids": list(stop_token_ids(model, tokenizer)),
+            "stop_token_ids": list(stop_token_ids(self.verifier.model, self.verifier.tokenizer)),
             "context_window": self.verifier.context_window,
             "tokenizer_fingerprint": self.verifier.tokenizer_fingerprint,
             "feature_width": self.verifier.feature_width,  # white-box drafters read features this wide
             "feature_dtype": args.feature_dtype,  # and get them as these 2-byte values
         }
-        # Every model operation runs on this one thread: batches never overlap, and Release never
-        # races a forward over the same cache.
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
         self._live = _RecentSessions()  # sessions verified and not released since (LRU may drop more)
         self._batch_sizes: Counter[int] = Counter()
         self._model_free = asyncio.Event()  # no verify forward running: calls may join the batch queue
@@ -208,6 +219,11 @@ class TargetServer:
         self._verify_batch.set_max_batch_size(1)
         self._verify_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self._direct = DirectEndpoint("target", {"Verify": self.Verify, "Release": self.Release})
+
+    @staticmethod
+    def _load_verifier(args: TargetArgs) -> TargetVerifier:
+        model, tokenizer = load_causal_lm(ModelConfig(args.model, args.device, args.dtype), _home())
+        return TargetVerifier(model, tokenizer, args.cache_capacity)
 
     async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """Batching (``@serve.batch`` below) of calls that do not arrive in step.
@@ -292,10 +308,11 @@ class DrafterServer:
     """``specpool.v1.Drafter``: one drafter proposing tokens and the q they were sampled from."""
 
     def __init__(self, args: DrafterArgs):
-        _set_threads(args.threads)
         _quick_thread_switches()
         self.args = args
-        self.drafter = create_drafter(args.name, DrafterContext(_home(), args.target, args.device, args.dtype))
+        self._model_thread = _model_thread(args.threads, "drafter-model")  # all torch work (see _model_thread)
+        context = DrafterContext(_home(), args.target, args.device, args.dtype)
+        self.drafter = self._model_thread.submit(create_drafter, args.name, context).result()
         self.variants = None  # learned versions per tenant (online learning), when a model store is set
         if args.model_store is not None:
             if learnable(self.drafter):
@@ -303,7 +320,6 @@ class DrafterServer:
                                                args.refresh_s, max_tenants=args.max_tenants)
             else:
                 logger.warning("drafter %s: model_store is set but this drafter does not learn online; it serves as is", args.name)
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
         self._live = _RecentSessions()  # sessions proposed for and not released (bounded like the drafters' caches)
         self._replays = 0  # Replay calls answered (side observations for ucb-replay)
         self._direct = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release, "Replay": self.Replay})

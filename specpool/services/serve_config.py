@@ -484,6 +484,17 @@ def drafter_app_name(drafter: str) -> str:
     return f"drafter-{digest}-{name[-(100 - 19):].lstrip('-.')}"
 
 
+def target_threads_for(cores: int) -> int:
+    """The target's torch threads in the default config: one core left to the rest.
+
+    The router, the drafters (one thread each) and Serve's proxy run beside the target's forwards:
+    concurrent sessions draft while others verify, and every round passes through the router. On
+    the 2-core Xeon of bench/results/served-white-box, one session with one head: the verify
+    forward took 84 ms served at 1 thread against 99 ms at 2 (embedded, alone: 68-72 ms at 2).
+    """
+    return max(1, cores - 1)
+
+
 def default_serve_config(
     pool: list[str],
     redis_url: str = DEFAULT_REDIS_URL,
@@ -531,6 +542,7 @@ def default_serve_config(
                 "args": {"model": DEFAULT_TARGET, "device": "cpu", "dtype": "auto", "cache_capacity": 64,
                          "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "num_replicas": 1,
                          "ray_actor_options": {"num_cpus": cores, "num_gpus": 0},
+                         "torch_threads": target_threads_for(cores),
                          **({"feature_dtype": feature_dtype} if feature_dtype != "float16" else {})},
             },
             *drafters,

@@ -126,6 +126,29 @@ def test_drafter_args():
             DrafterArgs.parse({"name": "code", **bad})
 
 
+def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home, monkeypatch):
+    """Model loading too: a second thread running torch ops would hold a second OpenMP team
+    (serve_app._model_thread). The target and a drafter are built the way Serve builds them."""
+    import threading
+
+    from specpool.services import serve_app
+
+    monkeypatch.setenv("SPECPOOL_HOME", str(home))
+    loaded_on = []
+    for name in ("load_causal_lm", "create_drafter"):
+        real = getattr(serve_app, name)
+        monkeypatch.setattr(serve_app, name, lambda *a, _real=real, **kw: (loaded_on.append(threading.current_thread().name), _real(*a, **kw))[1])
+    threads = torch.get_num_threads()
+    target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target), torch_threads=threads))
+    drafter = serve_app.DrafterServer.func_or_class(DrafterArgs(name=f"hf:{model_dirs.noisy}", target=str(model_dirs.target)))
+    assert [n.split("_")[0] for n in loaded_on] == ["target-model", "drafter-model"]
+    assert target._model_thread.submit(torch.get_num_threads).result() == threads
+    assert drafter._model_thread.submit(torch.get_num_threads).result() == 1  # a drafter's default: one thread
+    assert target.info["stop_token_ids"] and target.info["feature_width"] == target.verifier.feature_width
+    target._model_thread.shutdown()
+    drafter._model_thread.shutdown()
+
+
 def test_white_box_drafters_deploy_like_any_drafter_spec():
     """``specpool serve --pool eagle:PATH,lookup:eagle:PATH``: one drafter application each, named
     from the spec (a long head path still gives a valid, distinct application name)."""
@@ -163,6 +186,9 @@ def test_the_default_config_serves_the_pool():
     assert [a.name for a in plan.apps] == ["target", "drafter-ngram", "drafter-code", "router"]
     assert plan.grpc_port == 50051 and serve_config.GRPC_SERVICER_FUNCTIONS[0] in plan.grpc_servicer_functions
     assert plan.cpus_wanted() == 1 + 2 + 0.5 + 1
+    # The target's forwards leave a core to the router and drafters (serve_config.target_threads_for).
+    assert TargetArgs.parse(plan.apps[0].args).threads == 1
+    assert [serve_config.target_threads_for(c) for c in (1, 2, 8)] == [1, 1, 7]
     # The model applications' per-round calls are not access-logged; the router's requests are.
     assert {a.name: a.logging_config for a in plan.apps} == {
         "target": serve_config.MODEL_APP_LOGGING, "drafter-ngram": serve_config.MODEL_APP_LOGGING,
