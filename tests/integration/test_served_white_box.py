@@ -26,7 +26,7 @@ from specpool.core.defaults import DEFAULT_TARGET
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
-from serve_helpers import free_port as _free_port, call as _call
+from serve_helpers import free_port as _free_port, call as _call, wait_until as _wait
 
 MAX_NEW = 24
 K = 5
@@ -74,7 +74,7 @@ def head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(head):
+def served(head, tmp_path_factory):
     raw = connect_or_skip(decode_responses=True)
     from specpool.cli.main import build_parser
     from specpool.cli.served import serve_config_from_args
@@ -88,12 +88,18 @@ def served(head):
     namespace = f"specpool-wb-{uuid.uuid4().hex[:8]}"
     router = next(a for a in config["applications"] if a["name"] == "router")
     router["args"].update(redis_url=URL, redis_namespace=namespace, k=K)
+    # Online learning on (so every test here also shows feedback changes no answer): the head's
+    # deployment drafts each tenant's request with what `specpool learner` publishes to the store.
+    router["args"].update(feedback=True, feedback_stream=f"{namespace}:feedback")
+    store = tmp_path_factory.mktemp("online-store")
+    eagle_app = next(a for a in config["applications"] if a["name"] == drafter_app_name(pool[0]))
+    eagle_app["args"].update(model_store=str(store), refresh_s=0.0)
     local = start_local(plan_from_config(config, "the test config"), metrics_port=None,
                         progress=lambda m: print(f"[served] {m}", flush=True))
     from ray import serve
 
     yield SimpleNamespace(
-        address=local.address, pool=pool, eagle=pool[0],
+        address=local.address, pool=pool, eagle=pool[0], namespace=namespace, store=store,
         router=serve.get_deployment_handle("Router", app_name="router"),
         target=serve.get_deployment_handle("Target", app_name="target"),
         drafter=serve.get_deployment_handle("Drafter", app_name=drafter_app_name(pool[0])),
@@ -212,3 +218,44 @@ def test_cli_client_generate_against_a_white_box_pool(served, reference):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == reference(PROMPTS[1])
+
+
+def test_served_online_learning_of_a_head(served, client, reference):
+    """The online learner over a served white-box head, end to end: every round the head drafts
+    reaches the Redis stream with the target's features it read; `specpool learner` trains the
+    tenant's variant of the head and publishes it; the head's deployment drafts that tenant's next
+    request with the new version (one version for the whole request); answers stay the target's own."""
+    from specpool.cli.main import main
+    from specpool.learning.feedback import FeedbackRecord
+    from specpool.learning.feedback_redis import FIELD
+    from specpool.learning.model_store import DirectoryModelStore, VariantKey
+
+    raw = connect_or_skip(decode_responses=True)
+    stream = f"{served.namespace}:feedback"
+    tenant = f"learn-{uuid.uuid4().hex[:6]}"
+
+    def records_of(session: str) -> list:
+        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw.xrange(f"{stream}:{tenant}"))
+        return [r for r in decoded if r.session == session]
+
+    def ask(session: str):
+        answer = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant,
+                                 policy=f"fixed:{served.eagle}")
+        assert answer.token_ids == reference(PROMPTS[0])  # lossless, whatever the weights
+        return answer, _wait(lambda: records_of(session), 30, f"feedback records of {session}")
+
+    answer, records = ask("before")
+    assert sum(len(r.draft) for r in records) == answer.stats.draft_tokens > 0  # every drafted round, once
+    assert all(r.drafter == served.eagle and r.version == 0 for r in records)
+    for r in records:  # the target's features of the round, through its accepted positions
+        features = r.features()
+        assert features is not None and features.rows.shape[1] == WIDTH
+        assert features.start <= r.position and features.start + features.rows.shape[0] == r.position + r.accepted
+    assert main(["learner", "--once", "--redis", URL, "--stream", stream, "--drafters", served.eagle,
+                 "--store", str(served.store), "--publish-every", "4", "--no-progress"]) == 0
+    serving = DirectoryModelStore(served.store).serving(VariantKey(tenant, served.eagle))
+    assert serving is not None and serving >= 1  # learned and published
+
+    _, after = ask("after")
+    assert {r.version for r in after} == {serving}  # the new version, for every round of the request
+    raw.close()
