@@ -489,7 +489,7 @@ def target_threads_for(cores: int) -> int:
 
     The router, the drafters (one thread each) and Serve's proxy run beside the target's forwards:
     concurrent sessions draft while others verify, and every round passes through the router. On
-    the 2-core Xeon of bench/results/served-white-box, one session with one head: the verify
+    a 2-core AMD EPYC (`bench-served`, 6 dev prompts), one session with one head: the verify
     forward took 84 ms served at 1 thread against 99 ms at 2 (embedded, alone: 68-72 ms at 2).
     """
     return max(1, cores - 1)
