@@ -149,9 +149,10 @@ def _model_thread(threads: int, prefix: str) -> ThreadPoolExecutor:
     Each thread that runs a parallel torch op gets its own OpenMP team of ``threads`` threads, and
     a team stays alive after its last op. With two teams in one process (the model loaded on Serve's
     init thread, forwards on this one) the process holds twice as many compute threads as cores,
-    and every forward slows. Measured on a 2-core AMD EPYC with the default target at 2 threads
-    (a 6-token forward over 300 cached, medians of 15, 8 alternations): 64 ms while one thread had
-    run torch ops, 97-120 ms on either thread once a second had. ``bench-served`` with one head,
+    and every forward slows. ``python -m bench.omp_teams`` on a 2-core AMD EPYC, the default target
+    at 2 threads (a 6-token forward over 300 cached, medians of 15, 8 alternations): 65 ms while one
+    thread had run torch ops, 95 ms (81-107) on either thread once a second had; at 1 thread (no
+    team) 72-76 ms either way. ``bench-served`` with one head,
     one session: the target's verify forward took 115 ms served against 73 ms embedded (where one
     thread does it all), 99 ms once loading moved here; serve_config.target_threads_for did the rest.
     """
