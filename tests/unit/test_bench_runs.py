@@ -63,17 +63,3 @@ def test_policy_bench_and_its_rerender(tmp_path, model_dirs, home):
     assert (out / "report.md").read_text() == report  # the same report from the raw log
     (out / "per_prompt.jsonl").unlink()  # as in git: the report without its raw log
     assert policy_bench.main(["--rerender", str(out)]) == 2
-
-
-def test_omp_teams_bench_times_both_threads_in_turn(tmp_path, model_dirs, home, monkeypatch):
-    import torch
-
-    from bench import omp_teams
-
-    monkeypatch.setenv("SPECPOOL_HOME", str(home))
-    threads = torch.get_num_threads()
-    assert omp_teams.main(["--target", str(model_dirs.target), "--threads", str(threads), "--context", "12", "--draft", "3",
-                           "--forwards", "2", "--alternations", "2", "--out", str(tmp_path / "omp")]) == 0
-    results = json.loads((tmp_path / "omp" / "results.json").read_text())
-    assert [b["thread"] for b in results["blocks"]] == ["main", "worker", "main", "worker"]
-    assert all(b["ms"] > 0 for b in results["blocks"]) and results["one_team_ms"] == results["blocks"][0]["ms"]
