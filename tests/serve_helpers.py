@@ -1,5 +1,6 @@
 """Helpers the served-mode integration tests share: a free loopback port, polling until a
-condition holds, and a call to a Serve deployment's method through its handle."""
+condition holds, a call to a Serve deployment's method through its handle, and the feedback records
+a router wrote for one session."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ def embedded_greedy(prompt: str, max_new_tokens: int, k: int, pool: list[str]) -
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
     return engine.generate(engine.encode_prompt(prompt), params, k=k, session_id=uuid.uuid4().hex,
                            policy="metasd-ucb", pool=pool).token_ids
+
+
+def feedback_records(raw, stream: str, tenant: str, session: str | None = None) -> list:
+    """The decoded feedback records of ``tenant`` (of its ``session`` only, when given) in the
+    router's stream (one Redis stream per tenant: ``STREAM:TENANT``); ``raw`` is a Redis client
+    with decoded responses."""
+    from specpool.learning.feedback import FeedbackRecord
+    from specpool.learning.feedback_redis import FIELD
+
+    decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw.xrange(f"{stream}:{tenant}"))
+    return [r for r in decoded if r.tenant == tenant and (session is None or r.session == session)]

@@ -30,7 +30,7 @@ from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL
-from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call, feedback_records
 POOL = ["ngram", "code"]
 MAX_NEW = 24
 K = 5
@@ -321,8 +321,6 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
     variant of the zoo drafter; the drafter replica then drafts that tenant's next request with the
     new version - one version for the whole request - and the answer is still the target's own.
     Other tenants keep the shipped weights; an opted-out tenant sends nothing."""
-    from specpool.learning.feedback import FeedbackRecord
-    from specpool.learning.feedback_redis import FIELD
     from specpool.learning.model_store import DirectoryModelStore, VariantKey
     from specpool.cli.main import main
 
@@ -330,8 +328,7 @@ def test_served_online_learning_loop(served, client, raw_redis, reference):
     tenant = f"learn-{uuid.uuid4().hex[:6]}"
 
     def records_of(who: str, session: str) -> list:
-        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(f"{stream}:{who}"))  # one stream per tenant
-        return [r for r in decoded if r.tenant == who and r.session == session]
+        return feedback_records(raw_redis, stream, who, session)
 
     def ask(who: str, session: str, max_new_tokens: int = MAX_NEW):
         answer = client.generate(PROMPTS[1], max_new_tokens=max_new_tokens, session_id=session, tenant=who, policy="fixed:code")
@@ -367,8 +364,7 @@ def test_a_separate_learner_process_promotes_a_version_and_loses_nothing_when_ki
     request is drafted with it; the learner SIGKILLed while records wait and started again applies
     every record (none lost, none twice) and leaves nothing pending in the consumer group."""
     from learner_helpers import LearnerProcess
-    from specpool.learning.feedback import FeedbackRecord
-    from specpool.learning.feedback_redis import FIELD, RedisFeedbackStream
+    from specpool.learning.feedback_redis import RedisFeedbackStream
     from specpool.learning.model_store import DirectoryModelStore, VariantKey
 
     stream = f"{served.namespace}:feedback"
@@ -379,8 +375,7 @@ def test_a_separate_learner_process_promotes_a_version_and_loses_nothing_when_ki
             "--publish-every", "4", "--consumer", "learner-0", "--no-progress"]
 
     def records(session: str | None = None) -> list:
-        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(f"{stream}:{tenant}"))
-        return [r for r in decoded if session is None or r.session == session]
+        return feedback_records(raw_redis, stream, tenant, session)
 
     def ask(session: str):
         answer = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant, policy="fixed:code")

@@ -26,7 +26,7 @@ from specpool.core.defaults import DEFAULT_TARGET
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
-from serve_helpers import free_port as _free_port, call as _call, wait_until as _wait
+from serve_helpers import free_port as _free_port, call as _call, feedback_records, wait_until as _wait
 
 MAX_NEW = 24
 K = 5
@@ -226,8 +226,6 @@ def test_served_online_learning_of_a_head(served, client, reference):
     tenant's variant of the head and publishes it; the head's deployment drafts that tenant's next
     request with the new version (one version for the whole request); answers stay the target's own."""
     from specpool.cli.main import main
-    from specpool.learning.feedback import FeedbackRecord
-    from specpool.learning.feedback_redis import FIELD
     from specpool.learning.model_store import DirectoryModelStore, VariantKey
 
     raw = connect_or_skip(decode_responses=True)
@@ -235,8 +233,7 @@ def test_served_online_learning_of_a_head(served, client, reference):
     tenant = f"learn-{uuid.uuid4().hex[:6]}"
 
     def records_of(session: str) -> list:
-        decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw.xrange(f"{stream}:{tenant}"))
-        return [r for r in decoded if r.session == session]
+        return feedback_records(raw, stream, tenant, session)
 
     def ask(session: str):
         answer = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=session, tenant=tenant,
