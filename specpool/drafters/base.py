@@ -24,6 +24,9 @@ class Proposal:
     q: list[SparseDist]  # q_i, the exact distribution x_i was sampled from
     forward_s: float = 0.0  # time spent in model forwards (the rest of propose is bookkeeping)
     source: str | None = None  # what made it, where drafters share a part (LOOKUP_SOURCE); None: the drafter's own
+    # A draft tree (specpool/target/tree.py): each token's parent, -1 for the last context token;
+    # None: the tokens are a chain. Only ``TreeDrafter.propose_tree`` returns one.
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -63,6 +66,20 @@ class Drafter(Protocol):
 
     def release(self, session_id: str) -> None:
         """Forget the session (its KV cache, if any)."""
+        ...
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that can propose a draft tree (EAGLE-2): several continuations at once, verified
+    in one target forward (specpool/target/tree.py). The loop asks for one only in greedy rounds
+    verified in process without online-learning feedback (``speculative_generate``); a drafter
+    with ``tree_nodes`` 0 drafts chains."""
+
+    tree_nodes: int  # most nodes per tree; 0: chains only
+
+    def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """A tree of at most ``tree_nodes`` nodes, at most ``k`` deep, in parent-first order."""
         ...
 
 

@@ -21,6 +21,7 @@ reduced vocabulary to full ids, so verification stays lossless (docs/ARCHITECTUR
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,10 +42,15 @@ from specpool.target.kv_cache import common_prefix_length
 from specpool.target.models import resolve_model
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
+from specpool.target.tree import ROOT
 
 SHIPPED_DIR = Path(__file__).parent / "heads"
 MANIFEST = SHIPPED_DIR / "manifest.json"  # file hashes and reference acceptance (specpool zoo manifest)
 HEAD_KIND = "eagle"
+TREE_KIND = "eagle-tree"  # the same heads drafting trees (``EagleDrafter.propose_tree``)
+DEFAULT_TREE_NODES = 16
+DEFAULT_TREE_BEAM = 4
+DEFAULT_TREE_MIN_PROB = 0.0
 
 
 def shipped_heads() -> list[str]:
@@ -126,7 +132,8 @@ class EagleDrafter:
     """``specpool.drafters.base`` Drafter, Replayable and WhiteBox over an ``EagleHead``."""
 
     def __init__(self, name: str, head: EagleHead, metadata: dict, top_k: int = 16,
-                 confidence_threshold: float = 0.3, cache_capacity: int = 64):
+                 confidence_threshold: float = 0.3, cache_capacity: int = 64, tree_nodes: int = 0,
+                 tree_beam: int = DEFAULT_TREE_BEAM, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
         if top_k < 1:
             raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
         self.name = name
@@ -139,6 +146,14 @@ class EagleDrafter:
         # every verified position costs. The stop depends only on the head's state: exact.
         self.confidence_threshold = confidence_threshold
         self.cache_capacity = cache_capacity
+        if tree_nodes < 0 or tree_beam < 1 or not 0.0 <= tree_min_prob < 1.0:
+            raise InvalidArgument(f"a draft tree needs nodes >= 0, beam >= 1 and a minimum path probability in [0, 1); "
+                                  f"got {tree_nodes}, {tree_beam}, {tree_min_prob}")
+        # Draft trees (``propose_tree``, ``eagle-tree:NAME``): at most this many nodes, each level
+        # expanding the best ``tree_beam`` nodes; 0: chains only.
+        self.tree_nodes = tree_nodes
+        self.tree_beam = tree_beam
+        self.tree_min_prob = tree_min_prob
         self.cost = CostMeter()
         self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
@@ -168,14 +183,14 @@ class EagleDrafter:
         session = self._sessions.get(session_id)
         return len(session.features) if session is not None else 0
 
-    @torch.inference_mode()
-    def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+    def _catch_up(self, session_id: str, context_ids: list[int]) -> tuple[HeadSession, torch.Tensor] | None:
+        """Feed the head the context positions it has not seen; returns the session and the head's
+        guess of f_{n-1} (d,), the source of the first draft token; None without features."""
         n = len(context_ids)
         session = self._sessions.get(session_id)  # not created here: a session without features would evict one with
-        if session is None or k <= 0 or n < 2 or len(session.features) < n - 1:
-            return Proposal([], [])  # no features for this context yet (the loop's prefill round gives them)
+        if session is None or n < 2 or len(session.features) < n - 1:
+            return None  # no features for this context yet (the loop's prefill round gives them)
         self._sessions.move_to_end(session_id)  # least recently used goes first
-        started = time.perf_counter()
         # Positions 0 .. m-1 stay if they read these very tokens; at least one position is fed
         # again, so the head's output at position n-2 (the first draft's source) is at hand.
         m = min(common_prefix_length(session.tokens, context_ids[1:n]), n - 2)
@@ -184,6 +199,16 @@ class EagleDrafter:
         feats = session.features.rows(m, n - 1).unsqueeze(0)  # (1, n-1-m, d): f_m .. f_{n-2}
         guess = self.head(inputs, feats, session.cache)[0, -1]  # (d,): the head's f^_{n-1}
         session.tokens.extend(context_ids[m + 1:n])
+        return session, guess
+
+    @torch.inference_mode()
+    def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        n = len(context_ids)
+        started = time.perf_counter()
+        caught_up = self._catch_up(session_id, context_ids) if k > 0 else None
+        if caught_up is None:
+            return Proposal([], [])
+        session, guess = caught_up
         tokens: list[int] = []
         q: list[SparseDist] = []
         for i in range(k):
@@ -197,6 +222,72 @@ class EagleDrafter:
             guess = self.head(step, guess.view(1, 1, -1), session.cache)[0, -1]  # position n-1+i
         session.crop(n - 1)  # draft positions read guessed features; the next round has the target's
         return Proposal(tokens, q, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """``specpool.drafters.base.TreeDrafter``: EAGLE-2's dynamic draft tree, greedy.
+
+        Each level expands the ``tree_beam`` best nodes of the level before (by path probability,
+        the product of the head's probabilities along the path) into their ``tree_beam`` likeliest
+        children, in one batched head step: every row's cache is the context's plus its own path.
+        Of all nodes expanded, the ``tree_nodes`` likeliest whose path probability is at least
+        ``tree_min_prob`` form the tree (a path's probability never exceeds its parent's, so the
+        choice keeps every node's ancestors). q of a node is one-hot on its token: in a greedy
+        round it was chosen, not drawn."""
+        started = time.perf_counter()
+        proposal = self._draft_tree(session_id, context_ids, k, params)
+        self.cost.record(time.perf_counter() - started, len(proposal.tokens))
+        return proposal
+
+    def _draft_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        if not params.greedy:
+            raise InvalidArgument("a draft tree is for greedy decoding; sampled rounds draft chains (propose)")
+        started = time.perf_counter()
+        caught_up = self._catch_up(session_id, context_ids) if k > 0 and self.tree_nodes > 0 else None
+        if caught_up is None:
+            return Proposal([], [], parents=())
+        session, guess = caught_up
+        n, beam = len(context_ids), self.tree_beam
+        # Candidates: (log path probability, parent candidate or ROOT, token); a row of ``frontier``
+        # is a candidate whose children the next level computes, with the head's guess before it.
+        scores: list[float] = []
+        parent_of: list[int] = []
+        token_of: list[int] = []
+        frontier, guesses, rows = [ROOT], guess.view(1, -1), [0]  # rows: each frontier node's cache row
+        cache = session.cache
+        for depth in range(k):
+            logp = torch.log_softmax(self.head.reduced_logits(guesses).float(), dim=-1)  # (F, V_r)
+            top_logp, top_ids = logp.topk(min(beam, logp.shape[-1]), dim=-1)  # (F, b)
+            base = torch.tensor([0.0 if f == ROOT else scores[f] for f in frontier]).unsqueeze(1)  # (F, 1)
+            paths = (base + top_logp).flatten()  # (F * b,)
+            first = len(scores)
+            scores.extend(paths.tolist())
+            parent_of.extend(f for f in frontier for _ in range(top_ids.shape[1]))
+            token_of.extend(self.output_ids[top_ids.flatten()].tolist())
+            if depth + 1 == k:
+                break
+            best = paths.topk(min(beam, paths.numel())).indices.tolist()  # next frontier, best first
+            parent_rows = [rows[b // top_ids.shape[1]] for b in best]
+            cache = _select_rows(cache, parent_rows)
+            step = torch.tensor([[token_of[first + b]] for b in best], dtype=torch.long, device=self.head.device)  # (F', 1)
+            inputs = guesses[[b // top_ids.shape[1] for b in best]].unsqueeze(1)  # (F', 1, d): the guess each token came from
+            guesses = self.head(step, inputs, cache, start=n - 1 + depth)[:, -1]  # (F', d)
+            frontier, rows = [first + b for b in best], list(range(len(best)))
+        session.crop(n - 1)  # the session's own cache never saw the tree (rows were copies)
+        # The tree: the likeliest candidates, ancestors first (a child's path probability is at most
+        # its parent's; ties keep creation order, in which a parent comes first).
+        order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
+        floor = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
+        chosen = sorted(c for c in order[: self.tree_nodes] if scores[c] >= floor)
+        # A node whose parent was not chosen cannot be verified: drop it (only ties can cause this).
+        kept: dict[int, int] = {}
+        for c in chosen:
+            if parent_of[c] == ROOT or parent_of[c] in kept:
+                kept[c] = len(kept)
+        tokens = [token_of[c] for c in kept]
+        parents = tuple(ROOT if parent_of[c] == ROOT else kept[parent_of[c]] for c in kept)
+        q = [SparseDist.one_hot(t) for t in tokens]
+        return Proposal(tokens, q, time.perf_counter() - started, parents=parents)
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
@@ -226,3 +317,21 @@ def _make_eagle(name: str, argument: str, context: DrafterContext) -> EagleDraft
         raise InvalidArgument(f"eagle needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
     return EagleDrafter(name, head, metadata)
+
+
+@register_drafter(TREE_KIND)
+def _make_eagle_tree(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
+    """``eagle-tree:NAME``: the head of ``eagle:NAME`` drafting trees in greedy rounds (chains otherwise)."""
+    if not argument:
+        raise InvalidArgument(f"eagle-tree needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
+    head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
+    return EagleDrafter(name, head, metadata, tree_nodes=DEFAULT_TREE_NODES)
+
+
+def _select_rows(cache: KVCache, rows: list[int]) -> KVCache:
+    """A new cache whose batch rows are ``cache``'s rows ``rows`` (copies: ``cache`` is untouched)."""
+    out = KVCache(len(cache.keys))
+    index = torch.tensor(rows, dtype=torch.long, device=cache.keys[0].device)
+    out.keys = [k.index_select(0, index) for k in cache.keys]
+    out.values = [v.index_select(0, index) for v in cache.values]
+    return out

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from specpool.drafters.base import Drafter, Proposal, Replayable, WhiteBox, reads_features
+from specpool.drafters.base import Drafter, Proposal, Replayable, TreeDrafter, WhiteBox, reads_features
 from specpool.core.errors import FailedPrecondition
 from specpool.target.features import FeatureGap, FeatureLog, Features
 from specpool.target.sampling import SamplingParams
@@ -253,6 +253,9 @@ def speculative_generate(
     finish_reason = "length"
     white_box: list[WhiteBox] = [d for d in drafters.values() if reads_features(d)]  # type: ignore[misc]
     seen = _SeenFeatures() if white_box and feedback is not None else None
+    # Draft trees (specpool/target/tree.py): greedy rounds, a target that verifies them in process,
+    # and no online-learning feedback (its records describe a chain and the target's top-K of it).
+    trees = params.greedy and feedback is None and return_top_k == 0 and getattr(verifier, "verifies_trees", False)
     while len(generated) < params.max_new_tokens:
         if should_stop is not None and should_stop():
             finish_reason = "cancelled"
@@ -265,11 +268,16 @@ def speculative_generate(
         k_round = min(choice.k or k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
         proposal = _EMPTY
         if name is not None and k_round > 0:
-            proposal = drafters[name].propose(session_id, context, k_round, params)
+            drafter = drafters[name]
+            if trees and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0:
+                proposal = drafter.propose_tree(session_id, context, k_round, params)
+            else:
+                proposal = drafter.propose(session_id, context, k_round, params)
         drafted = time.perf_counter()
         top_k = return_top_k if proposal.tokens else 0
         request = VerifyRequest(session_id, context, proposal.tokens, proposal.q, params,
-                                return_top_k=top_k, return_features=bool(white_box))
+                                return_top_k=top_k, return_features=bool(white_box),
+                                tree_parents=proposal.parents if proposal.tokens else None)
         result = verifier.verify(request)
         verified = time.perf_counter()
         if white_box:

@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specpool.target.features import Features
+from specpool.target.tree import tree_attention_mask, tree_depths
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -108,6 +109,37 @@ class PrefixCache:
         self.token_ids = list(input_ids)
         rows = Features(keep, out.hidden_states[-1][0, : len(fed)]) if features else None  # (T, d), after the last norm
         return out.logits[0, -n_last - pads:out.logits.shape[1] - pads], rows  # (n_last, V)
+
+    @torch.inference_mode()
+    def tree_logits_and_hidden(self, context_ids: list[int], tree_tokens: list[int],
+                               parents: Sequence[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """One forward over the context's uncached tail and a draft tree (specpool/target/tree.py).
+        Returns logits (1 + N, V) after the last context token and after each node, ``keep`` (the
+        cached prefix reused) and the final hidden states (len(context) - keep + N, d) of every
+        position fed. The cache then holds the context and every node: ``keep_tree_path`` cuts it
+        to the accepted path."""
+        keep = self.reuse(context_ids, 1)
+        fed = context_ids[keep:]
+        n = len(context_ids)
+        depths = tree_depths(parents)
+        positions = list(range(keep, n)) + [n - 1 + d for d in depths]
+        device = self.model.device
+        mask = tree_attention_mask(parents, keep, len(fed), self.model.dtype, device)
+        out = self.model(input_ids=torch.tensor([fed + list(tree_tokens)], dtype=torch.long, device=device),
+                         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                         attention_mask=mask, use_cache=True, logits_to_keep=len(tree_tokens) + 1,
+                         output_hidden_states=True, **{self._kwarg: self.cache})
+        self.token_ids = list(context_ids) + list(tree_tokens)  # what the cache holds now, in feed order
+        return out.logits[0], keep, out.hidden_states[-1][0]
+
+    def keep_tree_path(self, context_length: int, path: Sequence[int]) -> None:
+        """After ``tree_logits_and_hidden``: keep the context and the nodes of ``path``, in order."""
+        nodes = self.token_ids[context_length:]
+        index = torch.tensor(list(range(context_length)) + [context_length + i for i in path], device=self.model.device)
+        for layer_idx in range(len(self.cache.layers)):
+            keys, values = _layer_kv(self.cache, layer_idx)
+            _set_layer(self.cache, layer_idx, keys.index_select(2, index), values.index_select(2, index))
+        self.token_ids = self.token_ids[:context_length] + [nodes[i] for i in path]
 
 
 def supports_batched_logits(model: PreTrainedModel) -> bool:

@@ -19,8 +19,9 @@ from specpool.target.cpu_linear import has_packed_linears
 from specpool.target.features import Features
 from specpool.target.kv_cache import PrefixCache, SessionCaches, batched_logits_and_features, supports_batched_logits
 from specpool.target.models import context_window, tokenizer_fingerprint
-from specpool.target.rejection import SparseDist, speculative_verify
+from specpool.target.rejection import SparseDist, speculative_verify, tv_distance
 from specpool.target.sampling import SamplingParams, logits_to_probs, request_generator
+from specpool.target.tree import check_tree, greedy_tree_walk, primary_chain
 
 TARGET_STREAM = 0  # random stream id of the target's draws (drafters use others)
 # verify_batch splits a batch where padding would cost more than one more forward: the fixed cost
@@ -59,6 +60,9 @@ class VerifyRequest:
     # Also return the features of the positions the target holds after this round (white-box
     # drafters, specpool/target/features.py); False costs nothing.
     return_features: bool = False
+    # A draft tree (specpool/target/tree.py): the parent of each draft token, -1 for the last context
+    # token; None: the drafts are a chain. Greedy rounds only, without return_top_k.
+    tree_parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,13 @@ class TargetVerifier:
             raise InvalidArgument(f"forward widths must be >= 1, got {list(forward_widths)}")
         self.forward_widths = tuple(sorted(forward_widths))
 
+    # Draft trees are verified here in one forward each (``_verify_tree``), not batched.
+    verifies_trees = True
+
     def verify(self, request: VerifyRequest) -> VerifyResult:
         self._check(request)
+        if request.tree_parents is not None:
+            return self._verify_tree(request)
         k = len(request.draft_tokens)
         cache = self.caches.get(request.session_id)
         ids = request.context_ids + request.draft_tokens
@@ -169,7 +178,7 @@ class TargetVerifier:
                 waves.append([])
             waves[ordinal].append(i)
         for wave in waves:
-            if not self.batchable:
+            if not self.batchable or any(requests[i].tree_parents is not None for i in wave):
                 groups = [[i] for i in wave]
             else:
                 new_tokens = [self._new_tokens(requests[i]) for i in wave]
@@ -218,6 +227,12 @@ class TargetVerifier:
             raise InvalidArgument(f"need one proposal distribution per draft token: {k} drafts, {len(request.q)} q")
         if not 0 <= request.return_top_k <= self.vocab_size:
             raise InvalidArgument(f"return-top-k must be in 0..{self.vocab_size} (the vocabulary), got {request.return_top_k}")
+        if request.tree_parents is not None:
+            check_tree(request.tree_parents, k)
+            if not request.params.greedy:
+                raise InvalidArgument("a draft tree is verified for greedy decoding only; send sampled drafts as a chain")
+            if request.return_top_k:
+                raise InvalidArgument("a draft tree cannot return the target's top-K (online-learning feedback needs a chain)")
 
     def _accept(self, request: VerifyRequest, cache: PrefixCache, logits: torch.Tensor, forward_s: float,
                 features: Features | None = None) -> VerifyResult:
@@ -241,6 +256,30 @@ class TargetVerifier:
             kept = len(request.context_ids) + outcome.accepted
             features = Features(features.start, features.rows[: max(kept - features.start, 0)])
         return VerifyResult(outcome.accepted, outcome.tokens, outcome.tv, top_k, forward_s, features)
+
+    def _verify_tree(self, request: VerifyRequest) -> VerifyResult:
+        """A greedy round over a draft tree (specpool/target/tree.py): one forward over every node,
+        the walk down the target's greedy tokens, the cache cut to the context and the accepted
+        path. ``tv`` is over the tree's first branch, the chain the drafter would have sent alone,
+        so a tree arm's BD reward means what a chain arm's does."""
+        cache = self.caches.get(request.session_id)
+        parents = request.tree_parents
+        n = len(request.context_ids)
+        started = time.perf_counter()
+        logits, keep, hidden = cache.tree_logits_and_hidden(request.context_ids, request.draft_tokens, parents)
+        forward_s = time.perf_counter() - started
+        greedy = logits.argmax(dim=-1).tolist()  # (1 + N,): after the root, then after each node
+        path = greedy_tree_walk(greedy, request.draft_tokens, parents)
+        cache.keep_tree_path(n, path)
+        tokens = [request.draft_tokens[i] for i in path] + [greedy[path[-1] + 1 if path else 0]]
+        p = logits_to_probs(logits, request.params)  # (1 + N, V), one-hot
+        tv = [tv_distance(p[parents[i] + 1], request.q[i]) for i in primary_chain(parents)]
+        features = None
+        if request.return_features:  # the fed context's rows, then the accepted nodes'
+            fed = n - keep
+            rows = torch.cat([hidden[:fed], hidden[[fed + i for i in path]]]) if path else hidden[:fed]
+            features = Features(keep, rows)
+        return VerifyResult(len(path), tokens, tv, None, forward_s, features)
 
     def release(self, session_id: str) -> None:
         self.caches.release(session_id)

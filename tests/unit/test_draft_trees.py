@@ -1,0 +1,312 @@
+"""Draft trees (EAGLE-2; specpool/target/tree.py): the tree helpers against brute-force definitions,
+the target's tree forward against cache-free forwards of each path, the verifier's walk, the
+white-box head's dynamic tree against its cache-free reference, and generation with trees
+identical to target-only greedy decoding; trees only where they are exact (greedy, in process, no
+feedback), chains otherwise; clear errors for malformed trees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specpool.core.errors import InvalidArgument
+from specpool.drafters.eagle import DEFAULT_TREE_NODES, EagleDrafter
+from specpool.drafters.registry import DrafterContext, create_drafter
+from specpool.router.loop import FixedChooser, speculative_generate
+from specpool.target.kv_cache import PrefixCache
+from specpool.target.rejection import SparseDist
+from specpool.target.sampling import SamplingParams
+from specpool.target.tree import (
+    ROOT, check_tree, greedy_tree_walk, primary_chain, tree_attention_mask, tree_depths,
+)
+from specpool.target.verifier import TargetVerifier, VerifyRequest
+from test_eagle_drafter import drafter_of, final_hidden, head, head_dir, tell  # noqa: F401 - fixtures
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+
+
+def ancestors(parents, i) -> list[int]:
+    """Node i's path from the root's child to i itself."""
+    path = []
+    while i != ROOT:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def random_tree(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(-1, i) for i in range(n))
+
+
+# -- the helpers --------------------------------------------------------------------------------------
+
+
+def test_tree_helpers_against_their_definitions():
+    rng = random.Random(0)
+    for _ in range(50):
+        parents = random_tree(rng, rng.randrange(0, 12))
+        check_tree(parents, len(parents))
+        assert tree_depths(parents) == [len(ancestors(parents, i)) for i in range(len(parents))]
+        chain = primary_chain(parents)
+        for j, node in enumerate(chain):  # each node the first child of the one before
+            parent = chain[j - 1] if j else ROOT
+            assert parents[node] == parent and node == min(i for i, p in enumerate(parents) if p == parent)
+        assert not any(p == (chain[-1] if chain else ROOT) for p in parents)  # it ends at a leaf
+        past, fed = rng.randrange(0, 4), rng.randrange(1, 4)
+        mask = tree_attention_mask(parents, past, fed, torch.float32, "cpu")
+        n = len(parents)
+        assert mask.shape == (1, 1, fed + n, past + fed + n)
+        visible = mask[0, 0] == 0
+        for row in range(fed + n):
+            if row < fed:
+                want = set(range(past + row + 1))
+            else:
+                want = set(range(past + fed)) | {past + fed + a for a in ancestors(parents, row - fed)}
+            assert set(torch.nonzero(visible[row]).flatten().tolist()) == want
+
+
+def test_the_walk_accepts_the_longest_path_of_target_tokens():
+    tokens = [5, 6, 7, 8, 9, 7]
+    parents = (ROOT, ROOT, 0, 0, 1, 4)
+    # target: after root 6 -> node 1; after node 1: 9 -> node 4; after node 4: 7 -> node 5; after 5: 3
+    target = [6, 0, 9, 0, 0, 7, 3]
+    assert greedy_tree_walk(target, tokens, parents) == [1, 4, 5]
+    assert greedy_tree_walk([4] + [0] * 6, tokens, parents) == []
+    assert greedy_tree_walk([5, 8, 0, 0, 0, 0, 0], tokens, parents) == [0, 3]
+
+
+@pytest.mark.parametrize("parents, n, words", [((ROOT, 1), 2, "parent 1"), ((0,), 1, "parent 0"),
+                                               ((ROOT, -2), 2, "parent -2"), ((ROOT,), 2, "2 nodes, 1 parents")])
+def test_malformed_trees_are_one_clear_error(parents, n, words):
+    with pytest.raises(InvalidArgument, match=words):
+        check_tree(parents, n)
+
+
+# -- the target's tree forward ------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def fresh_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+
+
+def test_a_tree_forward_equals_a_forward_of_each_path(target_lm, prompts):
+    model, _ = target_lm
+    rng = random.Random(1)
+    for sequence in prompts[:6]:
+        context = sequence[:14]
+        parents = random_tree(rng, 9)
+        tree = [rng.randrange(4, 60) for _ in parents]
+        cache = PrefixCache(model)
+        cache.logits(context[:10], 1)  # a cached prefix, so the forward feeds a context tail too
+        logits, keep, hidden = cache.tree_logits_and_hidden(context, tree, parents)
+        assert keep == 10 and logits.shape[0] == 1 + len(tree) and hidden.shape[0] == 4 + len(tree)
+        torch.testing.assert_close(logits[0], fresh_logits(model, context), atol=1e-4, rtol=1e-4)
+        truth = final_hidden(model, context)
+        torch.testing.assert_close(hidden[:4], truth[10:], atol=1e-4, rtol=1e-4)
+        for i in range(len(tree)):
+            path = [tree[a] for a in ancestors(parents, i)]
+            torch.testing.assert_close(logits[1 + i], fresh_logits(model, context + path), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[4 + i], final_hidden(model, context + path)[-1], atol=1e-4, rtol=1e-4)
+        path = ancestors(parents, len(tree) - 1)  # a deepest-last node's path: keep it
+        cache.keep_tree_path(len(context), path)
+        kept = context + [tree[a] for a in path]
+        assert cache.token_ids == kept
+        nxt = cache.logits(kept + [7], 1)[0]  # the cache now serves context + path as its prefix
+        torch.testing.assert_close(nxt, fresh_logits(model, kept + [7]), atol=1e-4, rtol=1e-4)
+
+
+def test_the_verifier_walks_the_tree_and_keeps_the_accepted_path(target_lm, prompts, greedy_reference):
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    rng = random.Random(2)
+    accepted_any = 0
+    for s, sequence in enumerate(prompts[:8]):
+        context = sequence[:12]
+        truth = greedy_reference(model, context, 6)
+        # A random tree with the target's own continuation grafted on at a random depth.
+        parents = list(random_tree(rng, 7))
+        tree = [rng.randrange(4, 60) for _ in parents]
+        depth = rng.randrange(0, 5)
+        parent = ROOT
+        for j in range(depth):
+            parents.append(parent)
+            tree.append(truth[j])
+            parent = len(tree) - 1
+        request = VerifyRequest(f"t{s}", context, tree, [SparseDist.one_hot(t) for t in tree], GREEDY,
+                                return_features=True, tree_parents=tuple(parents))
+        result = verifier.verify(request)
+        assert result.accepted >= depth
+        assert result.tokens == truth[: result.accepted + 1]  # the target's own tokens, bonus included
+        accepted_any += result.accepted
+        kept = context + truth[: result.accepted]
+        assert verifier.caches.get(f"t{s}").token_ids == kept
+        torch.testing.assert_close(result.features.rows, final_hidden(model, kept)[result.features.start:],
+                                   atol=1e-4, rtol=1e-4)
+        assert result.features.start == 0 and len(result.tv) == len(primary_chain(parents))
+        # The next round continues from the kept path as from any chain round.
+        follow = verifier.verify(VerifyRequest(f"t{s}", kept + result.tokens[-1:], [], [], GREEDY))
+        assert follow.tokens == truth[result.accepted + 1: result.accepted + 2]
+    assert accepted_any > 0
+
+
+def test_batched_verification_serves_a_tree_beside_chains(target_lm, prompts):
+    model, tokenizer = target_lm
+    parents = (ROOT, ROOT, 0, 2)
+    requests = [VerifyRequest("a", prompts[0][:10], [5, 6, 7, 8], [SparseDist.one_hot(t) for t in (5, 6, 7, 8)], GREEDY,
+                              tree_parents=parents),
+                VerifyRequest("b", prompts[1][:10], [9, 10], [SparseDist.one_hot(t) for t in (9, 10)], GREEDY)]
+    batched = TargetVerifier(model, tokenizer).verify_batch(requests)
+    alone = TargetVerifier(model, tokenizer)
+    assert [(r.accepted, r.tokens) for r in batched] == [(x.accepted, x.tokens) for x in map(alone.verify, requests)]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"params": SamplingParams(temperature=0.7, max_new_tokens=5)}, "greedy decoding only"),
+    ({"return_top_k": 4}, "top-K"),
+    ({"tree_parents": (ROOT, 3)}, "parent 3"),
+])
+def test_a_tree_the_verifier_cannot_verify_exactly_is_refused(change, words, target_lm, prompts):
+    model, tokenizer = target_lm
+    fields = dict(session_id="x", context_ids=prompts[0][:8], draft_tokens=[5, 6],
+                  q=[SparseDist.one_hot(5), SparseDist.one_hot(6)], params=GREEDY, tree_parents=(ROOT, 0))
+    fields.update(change)
+    with pytest.raises(InvalidArgument, match=words):
+        TargetVerifier(model, tokenizer).verify(VerifyRequest(**fields))
+
+
+# -- the head's dynamic tree ----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def reference_top(head, context: list[int], features: torch.Tensor, path: list[int], beam: int) -> list[int]:
+    """The head's ``beam`` likeliest tokens after ``path``, recomputed without a cache: the target's
+    features up to the context's end, then the head's own guesses along ``path``."""
+    n = len(context)
+    ids, feats = list(context[1:n]), [features[t] for t in range(n - 1)]
+    for token in [None, *path]:
+        if token is not None:
+            ids.append(token)
+            feats.append(guess)
+        guess = head(torch.tensor([ids]), torch.stack(feats)[None], None, start=0)[0, -1]  # (d,)
+    return head.vocab_ids[head.reduced_logits(guess).topk(beam).indices].tolist()
+
+
+def test_the_heads_tree_expands_its_likeliest_nodes(head, target_lm, prompts):
+    model, _ = target_lm
+    drafter = drafter_of(head, tree_nodes=10, tree_beam=3, confidence_threshold=0.0)
+    for s, sequence in enumerate(prompts[:5]):
+        context = sequence[:16]
+        tell(drafter, f"s{s}", model, context)
+        proposal = drafter.propose_tree(f"s{s}", context, 4, GREEDY)
+        parents = proposal.parents
+        check_tree(parents, len(proposal.tokens))
+        assert 0 < len(proposal.tokens) <= 10 and max(tree_depths(parents)) <= 4
+        assert [float(q.probs.sum()) for q in proposal.q] == [1.0] * len(proposal.tokens)
+        assert [int(q.token_ids[0]) for q in proposal.q] == proposal.tokens
+        features = final_hidden(model, context)
+        for i, token in enumerate(proposal.tokens):
+            path = [proposal.tokens[a] for a in ancestors(parents, i)[:-1]]
+            assert token in reference_top(head, context, features, path, 3), (s, i)
+        chain = [proposal.tokens[i] for i in primary_chain(parents)]
+        greedy_chain = drafter.propose(f"s{s}", context, 4, GREEDY).tokens
+        assert chain == greedy_chain[: len(chain)]  # the first branch is the head's greedy chain
+        assert drafter.features_held(f"s{s}") == len(context) - 1  # the session's cache untouched
+
+
+def test_tree_options_are_checked(head):
+    for options in ({"tree_nodes": -1}, {"tree_beam": 0}, {"tree_min_prob": 1.0}):
+        with pytest.raises(InvalidArgument, match="draft tree"):
+            drafter_of(head, **options)
+    with pytest.raises(InvalidArgument, match="greedy"):
+        drafter_of(head, tree_nodes=4).propose_tree("x", [1, 2, 3], 3, SamplingParams(temperature=0.7))
+
+
+# -- generation ---------------------------------------------------------------------------------------
+
+
+class ChainOnlyVerifier:
+    """The in-process verifier without tree support, as a target deployment is seen from the router."""
+
+    def __init__(self, inner: TargetVerifier):
+        self.inner = inner
+        self.requests: list[VerifyRequest] = []
+
+    def verify(self, request):
+        self.requests.append(request)
+        return self.inner.verify(request)
+
+    def release(self, session_id):
+        self.inner.release(session_id)
+
+
+def generate(verifier, drafter, prompt, params=GREEDY, k=5, session="g", **kwargs):
+    return speculative_generate(prompt, session_id=session, drafters={"e": drafter}, chooser=FixedChooser("e"),
+                                verifier=verifier, params=params, k=k, **kwargs)
+
+
+def test_greedy_generation_with_trees_equals_target_only(head, target_lm, prompts, greedy_reference):
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    tree_rounds = chain_rounds = tree_tokens = chain_tokens = 0
+    for i, sequence in enumerate(prompts[::3]):
+        prompt = sequence[:-24]
+        expected = greedy_reference(model, prompt, GREEDY.max_new_tokens)
+        for k in (1, 3, 5):
+            tree = generate(verifier, drafter_of(head, tree_nodes=12), prompt, k=k, session=f"t{i}-{k}")
+            chain = generate(verifier, drafter_of(head), prompt, k=k, session=f"c{i}-{k}")
+            assert tree.token_ids == expected and chain.token_ids == expected, (i, k)
+            assert all(r.proposed <= 12 for r in tree.rounds)
+            tree_rounds, tree_tokens = tree_rounds + len(tree.rounds), tree_tokens + len(tree.token_ids)
+            chain_rounds, chain_tokens = chain_rounds + len(chain.rounds), chain_tokens + len(chain.token_ids)
+    assert tree_tokens / tree_rounds > chain_tokens / chain_rounds  # more tokens per round than chains
+
+
+def test_trees_only_where_exact_chains_elsewhere(head, target_lm, prompts, greedy_reference):
+    model, tokenizer = target_lm
+    prompt = prompts[3][:-24]
+    expected = greedy_reference(model, prompt, GREEDY.max_new_tokens)
+    # A target that cannot verify trees (a target deployment): chains, same tokens.
+    remote = ChainOnlyVerifier(TargetVerifier(model, tokenizer))
+    assert generate(remote, drafter_of(head, tree_nodes=12), prompt, session="r").token_ids == expected
+    assert all(r.tree_parents is None for r in remote.requests)
+    # Online-learning feedback: its records describe chains with the target's top-K.
+    local = ChainOnlyVerifier(TargetVerifier(model, tokenizer))
+    local.verifies_trees = True
+    feedback = []
+    result = generate(local, drafter_of(head, tree_nodes=12), prompt, session="f", feedback=feedback.append,
+                      return_top_k=4)
+    assert result.token_ids == expected and feedback
+    assert all(r.tree_parents is None for r in local.requests)
+    # Sampled rounds: chains (the tree walk is exact for greedy only), seeded as ever.
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)
+    local.requests.clear()
+    first = generate(local, drafter_of(head, tree_nodes=12), prompt, params=sampled, session="s1")
+    assert all(r.tree_parents is None for r in local.requests)
+    assert generate(local, drafter_of(head), prompt, params=sampled, session="s2").token_ids == first.token_ids
+    # Greedy, in process, no feedback: trees.
+    local.requests.clear()
+    assert generate(local, drafter_of(head, tree_nodes=12), prompt, session="t").token_ids == expected
+    assert any(r.tree_parents is not None for r in local.requests)
+
+
+def test_eagle_tree_spec_through_the_registry_and_engine(head_dir, home, model_dirs, engine):  # noqa: F811
+    drafter = create_drafter(f"eagle-tree:{head_dir}", DrafterContext(home, target=str(model_dirs.target)))
+    assert isinstance(drafter, EagleDrafter) and drafter.tree_nodes == DEFAULT_TREE_NODES
+    assert create_drafter(f"eagle:{head_dir}", DrafterContext(home, target=str(model_dirs.target))).tree_nodes == 0
+    with pytest.raises(InvalidArgument, match="eagle-tree needs a head"):
+        create_drafter("eagle-tree:", DrafterContext(home, target=str(model_dirs.target)))
+    prompt = engine.encode_prompt("the cat sat on the mat the cat sat")
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+    result = engine.generate(prompt, params, f"eagle-tree:{head_dir}", k=4)
+    assert result.token_ids == engine.generate(prompt, params, None).token_ids
+
+
+def test_a_learned_version_of_a_tree_head_drafts_trees_too(head):
+    from specpool.learning.hot_swap import drafter_kind
+
+    base = drafter_of(head, tree_nodes=7, tree_beam=2, tree_min_prob=0.01)
+    rebuilt = drafter_kind(base).rebuild(base, head)
+    assert (rebuilt.tree_nodes, rebuilt.tree_beam, rebuilt.tree_min_prob) == (7, 2, 0.01)
