@@ -253,8 +253,9 @@ def speculative_generate(
     finish_reason = "length"
     white_box: list[WhiteBox] = [d for d in drafters.values() if reads_features(d)]  # type: ignore[misc]
     seen = _SeenFeatures() if white_box and feedback is not None else None
-    # Draft trees (specpool/target/tree.py): greedy rounds, a target that verifies them in process,
-    # and no online-learning feedback (its records describe a chain and the target's top-K of it).
+    # Draft trees (specpool/target/tree.py): greedy rounds, a verifier that verifies them (in process,
+    # or a target deployment), and no online-learning feedback (its records describe a chain and the
+    # target's top-K of it).
     trees = params.greedy and feedback is None and return_top_k == 0 and getattr(verifier, "verifies_trees", False)
     while len(generated) < params.max_new_tokens:
         if should_stop is not None and should_stop():

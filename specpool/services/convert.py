@@ -23,6 +23,7 @@ from specpool.v1 import common_pb2, drafter_pb2, target_pb2
 from specpool.target.features import FeatureGap, Features, decode_features, encode_features
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import MAX_DRAFT_LENGTH, SamplingParams
+from specpool.target.tree import check_tree
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
 
@@ -109,6 +110,7 @@ def verify_request_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:
         session_id=request.session_id, context_ids=request.context_ids, draft_tokens=request.draft_tokens,
         q=[sparse_to_proto(q) for q in request.q], sampling=sampling_to_proto(request.params),
         return_top_k=request.return_top_k, return_features=request.return_features,
+        draft_tree=request.tree_parents is not None, tree_parents=request.tree_parents or (),
     )
 
 
@@ -120,8 +122,17 @@ def verify_request_from_proto(msg: target_pb2.VerifyRequest) -> VerifyRequest:
         session_id=_session(msg.session_id), context_ids=list(msg.context_ids), draft_tokens=list(msg.draft_tokens),
         q=[sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
         params=sampling_from_proto(msg.sampling), return_top_k=int(msg.return_top_k),
-        return_features=bool(msg.return_features),
+        return_features=bool(msg.return_features), tree_parents=_tree_parents(msg.draft_tree, msg.tree_parents, msg.draft_tokens),
     )
+
+
+def _tree_parents(is_tree: bool, parents, tokens) -> tuple[int, ...] | None:
+    """A message's draft tree (None: a chain), checked: one parent per token, parents first."""
+    if not is_tree:
+        check(len(parents) == 0, "tree parents were sent for drafts that are not a tree")
+        return None
+    check_tree(list(parents), len(tokens))
+    return tuple(int(p) for p in parents)
 
 
 def verify_result_to_proto(result: VerifyResult, feature_dtype: str = "float16") -> target_pb2.VerifyResponse:
@@ -147,13 +158,13 @@ def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
 # -- Drafter.Propose ----------------------------------------------------------------------------------
 def propose_request_to_proto(session_id: str, context_ids: list[int], k: int, params: SamplingParams,
                              drafter: str = "", tenant: str = "", weight_version: int | None = None,
-                             features: common_pb2.Features | None = None) -> drafter_pb2.ProposeRequest:
+                             features: common_pb2.Features | None = None, tree: bool = False) -> drafter_pb2.ProposeRequest:
     """``weight_version`` None: the tenant's serving version (a request's first round); a number:
     exactly that version (its later rounds). ``features``: the rows the server has not been sent
-    (white-box drafters), already encoded."""
+    (white-box drafters), already encoded. ``tree``: ask for a draft tree."""
     return drafter_pb2.ProposeRequest(session_id=session_id, context_ids=context_ids, k=k,
                                       sampling=sampling_to_proto(params), drafter=drafter, tenant=tenant,
-                                      features=features, **_version_fields(weight_version))
+                                      features=features, tree=tree, **_version_fields(weight_version))
 
 
 def _version_fields(weight_version: int | None) -> dict:
@@ -172,6 +183,7 @@ class ProposeArgs:
     tenant: str = ""  # whose learned variant drafts ("" = the shipped weights)
     weight_version: int | None = None  # None: the tenant's serving version; a number: exactly it
     features: Features | None = None  # white-box drafters: rows to apply before drafting; None: none sent
+    tree: bool = False  # propose a draft tree (drafters that draft trees, greedy rounds)
 
 
 def _drafter_call_fields(msg: drafter_pb2.ProposeRequest | drafter_pb2.ReplayRequest, what: str) -> dict:
@@ -187,13 +199,14 @@ def _drafter_call_fields(msg: drafter_pb2.ProposeRequest | drafter_pb2.ReplayReq
 
 
 def propose_request_from_proto(msg: drafter_pb2.ProposeRequest) -> ProposeArgs:
-    return ProposeArgs(**_drafter_call_fields(msg, "propose"))
+    return ProposeArgs(**_drafter_call_fields(msg, "propose"), tree=bool(msg.tree))
 
 
 def proposal_to_proto(proposal: Proposal, weight_version: int = 0) -> drafter_pb2.ProposeResponse:
     return drafter_pb2.ProposeResponse(tokens=proposal.tokens, q=[sparse_to_proto(q) for q in proposal.q],
                                        forward_s=proposal.forward_s, weight_version=weight_version,
-                                       source=proposal.source or "")
+                                       source=proposal.source or "", tree=proposal.parents is not None,
+                                       parents=proposal.parents or ())
 
 
 # -- Drafter.Replay -----------------------------------------------------------------------------------
@@ -233,4 +246,4 @@ def replay_from_proto(msg: drafter_pb2.ReplayResponse) -> int | None:
 def proposal_from_proto(msg: drafter_pb2.ProposeResponse) -> Proposal:
     check(len(msg.q) == len(msg.tokens), f"a proposal needs one q per token: {len(msg.tokens)} tokens, {len(msg.q)} q")
     return Proposal(list(msg.tokens), [sparse_from_proto(q, f"q of draft token {i + 1}") for i, q in enumerate(msg.q)],
-                    float(msg.forward_s), msg.source or None)
+                    float(msg.forward_s), msg.source or None, _tree_parents(msg.tree, msg.parents, msg.tokens))

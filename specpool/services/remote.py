@@ -160,6 +160,10 @@ class RemoteVerifier:
     none (a target deployment older than the field) returns ``features=None``, which the loop
     refuses (FAILED_PRECONDITION): a white-box arm never runs blind."""
 
+    # The target deployment verifies draft trees (VerifyRequest.tree_parents); one that predates
+    # the field verifies a tree's tokens as a chain: slower, never wrong.
+    verifies_trees = True
+
     def __init__(self, caller: DeploymentCaller):
         self.caller = caller
         self.features_received = FeatureTraffic()  # from the target: (a + 1) rows a round
@@ -264,8 +268,10 @@ class RemoteDrafter:
 
     def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None,
                  feature_width: int = 0, relay: FeatureRelay | None = None, cooldown_s: float = DEFAULT_COOLDOWN_S,
-                 on_failure: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_failure: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 tree_nodes: int = 0):
         self.name = name
+        self.tree_nodes = tree_nodes  # > 0: the deployment's drafter drafts trees (``TreeDrafter``, from its Info)
         self.caller = caller
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.feature_width = feature_width  # 0: a black-box drafter (the loop sends it no features)
@@ -394,11 +400,19 @@ class RemoteDrafter:
             return self._requests.get(session_id, ("", None))
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        return self._propose(session_id, context_ids, k, params, tree=False)
+
+    def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """``specpool.drafters.base.TreeDrafter`` over the wire (only when ``tree_nodes`` > 0)."""
+        return self._propose(session_id, context_ids, k, params, tree=True)
+
+    def _propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams, tree: bool) -> Proposal:
         started = time.perf_counter()
         tenant, version = self._request_of(session_id)
         response = self._guarded("Propose", session_id, lambda: self._with_features(
             session_id, "Propose", lambda features: convert.propose_request_to_proto(
-                session_id, context_ids, k, params, tenant=tenant, weight_version=version, features=features)))
+                session_id, context_ids, k, params, tenant=tenant, weight_version=version, features=features,
+                tree=tree)))
         if response is None:
             return Proposal([], [])
         proposal = convert.proposal_from_proto(response)

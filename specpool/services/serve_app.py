@@ -72,7 +72,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from transformers import AutoTokenizer
 
 from specpool.core.errors import FailedPrecondition, IncompatibleModels, NotFound
-from specpool.drafters.base import Replayable, reads_features
+from specpool.drafters.base import Replayable, TreeDrafter, reads_features
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
@@ -350,6 +350,8 @@ class DrafterServer:
         self._live.add(args.session_id)
         version, drafter = self._pick(args)
         self._observe(drafter, args)
+        if args.tree and args.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0:
+            return drafter.propose_tree(args.session_id, args.context_ids, args.k, args.params), version
         return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
 
     @staticmethod
@@ -394,7 +396,8 @@ class DrafterServer:
 
     async def Info(self) -> dict:
         return {"name": self.args.name, "tokenizer_fingerprint": self.drafter.tokenizer_fingerprint,
-                "feature_width": int(self.drafter.feature_width) if reads_features(self.drafter) else 0}
+                "feature_width": int(self.drafter.feature_width) if reads_features(self.drafter) else 0,
+                "tree_nodes": int(self.drafter.tree_nodes) if isinstance(self.drafter, TreeDrafter) else 0}
 
     async def Sessions(self) -> list[str]:
         """Sessions this replica proposed for and has not released."""
@@ -478,7 +481,8 @@ class RouterServer:
                                          f"{info['model']} returns width {self._relay.width}")
             caller = DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s, routes("drafter"),
                                       timeout_s=args.drafter_timeout_s)
-            drafters[name] = RemoteDrafter(name, caller, fingerprint, width, self._relay if width else None)
+            drafters[name] = RemoteDrafter(name, caller, fingerprint, width, self._relay if width else None,
+                                           tree_nodes=int(drafter_info.get("tree_nodes", 0)))
         self._drafters = drafters
         self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"),
                                                          timeout_s=args.call_timeout_s))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specpool.v1 import common_pb2 as specpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpool/v1/drafter.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\"\xec\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\t\n\x01k\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x15\n\rexact_version\x18\x08 \x01(\x08\x12\'\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x15.specpool.v1.Features\"\xb2\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12(\n\x06\x64irect\x18\x05 \x01(\x0b\x32\x18.specpool.v1.DirectRoute\x12\x0e\n\x06source\x18\x06 \x01(\t\"\x81\x02\n\rReplayRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x63ontinuation\x18\x03 \x03(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\x12\x15\n\rexact_version\x18\t \x01(\x08\x12\'\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x15.specpool.v1.Features\"C\n\x0eReplayResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replay_s\x18\x03 \x01(\x01\x32\xd8\x01\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specpool.v1.ProposeRequest\x1a\x1c.specpool.v1.ProposeResponse\x12\x44\n\x07Release\x12\x1b.specpool.v1.ReleaseRequest\x1a\x1c.specpool.v1.ReleaseResponse\x12\x41\n\x06Replay\x12\x1a.specpool.v1.ReplayRequest\x1a\x1b.specpool.v1.ReplayResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpool/v1/drafter.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\"\xfa\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\t\n\x01k\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x15\n\rexact_version\x18\x08 \x01(\x08\x12\'\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x15.specpool.v1.Features\x12\x0c\n\x04tree\x18\n \x01(\x08\"\xd1\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12(\n\x06\x64irect\x18\x05 \x01(\x0b\x32\x18.specpool.v1.DirectRoute\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0c\n\x04tree\x18\x07 \x01(\x08\x12\x0f\n\x07parents\x18\x08 \x03(\x11\"\x81\x02\n\rReplayRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x63ontinuation\x18\x03 \x03(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\x12\x15\n\rexact_version\x18\t \x01(\x08\x12\'\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x15.specpool.v1.Features\"C\n\x0eReplayResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replay_s\x18\x03 \x01(\x01\x32\xd8\x01\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specpool.v1.ProposeRequest\x1a\x1c.specpool.v1.ProposeResponse\x12\x44\n\x07Release\x12\x1b.specpool.v1.ReleaseRequest\x1a\x1c.specpool.v1.ReleaseResponse\x12\x41\n\x06Replay\x12\x1a.specpool.v1.ReplayRequest\x1a\x1b.specpool.v1.ReplayResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpool.v1.drafter_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEREQUEST']._serialized_start=69
-  _globals['_PROPOSEREQUEST']._serialized_end=305
-  _globals['_PROPOSERESPONSE']._serialized_start=308
-  _globals['_PROPOSERESPONSE']._serialized_end=486
-  _globals['_REPLAYREQUEST']._serialized_start=489
-  _globals['_REPLAYREQUEST']._serialized_end=746
-  _globals['_REPLAYRESPONSE']._serialized_start=748
-  _globals['_REPLAYRESPONSE']._serialized_end=815
-  _globals['_DRAFTER']._serialized_start=818
-  _globals['_DRAFTER']._serialized_end=1034
+  _globals['_PROPOSEREQUEST']._serialized_end=319
+  _globals['_PROPOSERESPONSE']._serialized_start=322
+  _globals['_PROPOSERESPONSE']._serialized_end=531
+  _globals['_REPLAYREQUEST']._serialized_start=534
+  _globals['_REPLAYREQUEST']._serialized_end=791
+  _globals['_REPLAYRESPONSE']._serialized_start=793
+  _globals['_REPLAYRESPONSE']._serialized_end=860
+  _globals['_DRAFTER']._serialized_start=863
+  _globals['_DRAFTER']._serialized_end=1079
 # @@protoc_insertion_point(module_scope)

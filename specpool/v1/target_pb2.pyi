@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "context_ids", "draft_tokens", "q", "sampling", "return_top_k", "return_features")
+    __slots__ = ("session_id", "context_ids", "draft_tokens", "q", "sampling", "return_top_k", "return_features", "draft_tree", "tree_parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOP_K_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
+    TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +25,9 @@ class VerifyRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     return_top_k: int
     return_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_top_k: _Optional[int] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    draft_tree: bool
+    tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_top_k: _Optional[int] = ..., return_features: _Optional[bool] = ..., draft_tree: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "tokens", "tv", "target_top_k", "forward_s", "direct", "features")

@@ -1,7 +1,7 @@
 """Integration: a white-box (EAGLE-style) drafter served for real. Ray Serve on a local Ray cluster,
 the real default target, a drafter deployment hosting ``eagle:HEAD`` next to ``ngram``, Redis at
 127.0.0.1:6379, gRPC on loopback; no mocks. The config is the one ``specpool serve --pool
-eagle:HEAD,ngram`` runs. The head is built here (the target's own embedding and last layer,
+eagle:HEAD,ngram,eagle-tree:HEAD`` runs. The head is built here (the target's own embedding and last layer,
 untrained: what it guesses does not matter, only that it drafts from the target's features), so the
 test needs nothing outside git but the cached target.
 
@@ -29,6 +29,7 @@ from redis_helpers import URL, connect_or_skip
 from serve_helpers import free_port as _free_port, call as _call, feedback_records, wait_until as _wait
 
 MAX_NEW = 24
+TREES = "trees"  # a tenant opted out of feedback: its greedy rounds may draft trees
 K = 5
 WIDTH = 576  # the default target's hidden size
 PROMPTS = [
@@ -81,7 +82,9 @@ def served(head, tmp_path_factory):
     from specpool.services.local_serve import start_local
     from specpool.services.serve_config import drafter_app_name, plan_from_config
 
-    pool = [f"eagle:{head}", "ngram"]
+    # The same head drafting trees too (eagle-tree): for tenant TREES, whose rounds carry no
+    # feedback (a round with feedback drafts chains).
+    pool = [f"eagle:{head}", "ngram", f"eagle-tree:{head}"]
     port = _free_port()
     # What `specpool serve --pool eagle:HEAD,ngram --port PORT` runs.
     config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", ",".join(pool), "--port", str(port)]))
@@ -90,7 +93,7 @@ def served(head, tmp_path_factory):
     router["args"].update(redis_url=URL, redis_namespace=namespace, k=K)
     # Online learning on (so every test here also shows feedback changes no answer): the head's
     # deployment drafts each tenant's request with what `specpool learner` publishes to the store.
-    router["args"].update(feedback=True, feedback_stream=f"{namespace}:feedback")
+    router["args"].update(feedback=True, feedback_stream=f"{namespace}:feedback", feedback_opt_out=[TREES])
     store = tmp_path_factory.mktemp("online-store")
     eagle_app = next(a for a in config["applications"] if a["name"] == drafter_app_name(pool[0]))
     eagle_app["args"].update(model_store=str(store), refresh_s=0.0)
@@ -99,7 +102,7 @@ def served(head, tmp_path_factory):
     from ray import serve
 
     yield SimpleNamespace(
-        address=local.address, pool=pool, eagle=pool[0], namespace=namespace, store=store,
+        address=local.address, pool=pool, eagle=pool[0], tree=pool[2], namespace=namespace, store=store,
         router=serve.get_deployment_handle("Router", app_name="router"),
         target=serve.get_deployment_handle("Target", app_name="target"),
         drafter=serve.get_deployment_handle("Drafter", app_name=drafter_app_name(pool[0])),
@@ -169,6 +172,20 @@ def test_served_white_box_greedy_equals_embedded_and_features_cost_a_plus_1_rows
         assert 0 < sent and stats.draft_tokens > 0
     else:
         assert stats.accepted_tokens > 0  # rounds of a + 1 > 1 rows
+
+
+def test_served_draft_trees_are_verified_by_the_target_deployment(served, client, reference):
+    """``eagle-tree``: the drafter deployment proposes trees (16 nodes, more than k = 5 drafts a round
+    could be as a chain), the target deployment verifies them, and the answer is the target's own.
+    With feedback (the default tenant here) the same arm drafts chains."""
+    tree = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex, tenant=TREES,
+                           policy=f"fixed:{served.tree}")
+    assert tree.token_ids == reference(PROMPTS[0])
+    drafted = tree.stats.rounds - 1  # the white-box prefill round drafts nothing
+    assert tree.stats.draft_tokens > K * drafted  # trees: no chain of k = 5 is that long
+    chain = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex, policy=f"fixed:{served.tree}")
+    assert chain.token_ids == reference(PROMPTS[0])
+    assert 0 < chain.stats.draft_tokens <= K * (chain.stats.rounds - 1)
 
 
 def test_a_drafter_replica_that_lost_the_sessions_features_gets_them_again(served, client, reference):

@@ -304,6 +304,37 @@ def test_eagle_tree_spec_through_the_registry_and_engine(head_dir, home, model_d
     assert result.token_ids == engine.generate(prompt, params, None).token_ids
 
 
+# -- on the wire ------------------------------------------------------------------------------------
+
+
+def test_trees_travel_the_protos_and_malformed_ones_are_refused():
+    from specpool.drafters.base import Proposal
+    from specpool.services import convert
+
+    q = [SparseDist.one_hot(t) for t in (5, 6, 7)]
+    request = VerifyRequest("s", [1, 2, 3], [5, 6, 7], q, GREEDY, tree_parents=(ROOT, ROOT, 0))
+    back = convert.verify_request_from_proto(convert.verify_request_to_proto(request))
+    assert back.tree_parents == (ROOT, ROOT, 0) and back.draft_tokens == [5, 6, 7]
+    chain = VerifyRequest("s", [1, 2, 3], [5, 6, 7], q, GREEDY)
+    assert convert.verify_request_from_proto(convert.verify_request_to_proto(chain)).tree_parents is None
+    empty = VerifyRequest("s", [1, 2, 3], [], [], GREEDY, tree_parents=())
+    assert convert.verify_request_from_proto(convert.verify_request_to_proto(empty)).tree_parents == ()
+    proposal = Proposal([5, 6, 7], q, 0.5, parents=(ROOT, 0, 0))
+    assert convert.proposal_from_proto(convert.proposal_to_proto(proposal)).parents == (ROOT, 0, 0)
+    assert convert.proposal_from_proto(convert.proposal_to_proto(Proposal([5], q[:1]))).parents is None
+    message = convert.propose_request_to_proto("s", [1, 2], 3, GREEDY, tree=True)
+    assert convert.propose_request_from_proto(message).tree
+    assert not convert.propose_request_from_proto(convert.propose_request_to_proto("s", [1, 2], 3, GREEDY)).tree
+    bad = convert.verify_request_to_proto(request)
+    bad.tree_parents[2] = 2  # its own parent
+    with pytest.raises(InvalidArgument, match="parent 2"):
+        convert.verify_request_from_proto(bad)
+    stray = convert.verify_request_to_proto(chain)
+    stray.tree_parents.extend([ROOT, ROOT, ROOT])
+    with pytest.raises(InvalidArgument, match="not a tree"):
+        convert.verify_request_from_proto(stray)
+
+
 def test_a_learned_version_of_a_tree_head_drafts_trees_too(head):
     from specpool.learning.hot_swap import drafter_kind
 
