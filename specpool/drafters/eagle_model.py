@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpool.drafters.zoo_model import Block, KVCache, RMSNorm, rope_tables, vocabulary_index
+from specpool.target.cpu_linear import FrozenOutput
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(d, config.rms_eps)
         self.head_bias = nn.Parameter(torch.zeros(len(vocab_ids)))  # (V_r,)
         self._head_weight: torch.Tensor | None = None
+        self._output = FrozenOutput()  # the output head's kernel (specpool/target/cpu_linear.py)
         self._reduced_index: torch.Tensor | None = None
 
     @property
@@ -116,7 +118,7 @@ class EagleHead(nn.Module):
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the reduced vocabulary (..., V_r) from (predicted) features (..., d)."""
-        return F.linear(hidden, self.head_weight(), self.head_bias)
+        return self._output(hidden, self.head_weight(), self.head_bias)  # packed in inference on a CPU
 
     def own_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpool.target.cpu_linear import FrozenOutput
+
 
 @dataclass(frozen=True)
 class ZooConfig:
@@ -189,6 +191,7 @@ class ZooLM(nn.Module):
         if config.copy_window:
             self.copy_weight = nn.Parameter(torch.zeros(1))  # 0: the term starts switched off
         self._head_weight: torch.Tensor | None = None
+        self._output = FrozenOutput()  # the output head's kernel (specpool/target/cpu_linear.py)
         self._reduced_index: torch.Tensor | None = None
 
     @property
@@ -233,7 +236,7 @@ class ZooLM(nn.Module):
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the reduced vocabulary (..., V_r), without the copy term."""
-        return F.linear(hidden, self.head_weight(), self.head_bias)
+        return self._output(hidden, self.head_weight(), self.head_bias)  # packed in inference on a CPU
 
     def reduced_index(self) -> torch.Tensor:
         """``vocabulary_index`` of this drafter, kept until its vocabulary changes."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specpool.core.errors import InvalidArgument
-from specpool.target.cpu_linear import PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
+from specpool.target.cpu_linear import FrozenOutput, PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
 from specpool.target.kv_cache import PrefixCache
 from specpool.target.models import ModelConfig, load_causal_lm
 from specpool.target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
@@ -161,3 +161,36 @@ def test_the_packed_vs_plain_benchmark_pairs_the_same_verifications(model_dirs, 
     assert mismatches == 0
     decode = target_only_decoding(verifiers, prompts[:3], 6)
     assert decode["identical"] == 3 and all(1 <= row["new_tokens"] <= 6 for row in decode["rows"])
+
+
+# -- a drafter's output head (FrozenOutput) --------------------------------------------------------------
+
+
+@needs_onednn
+def test_frozen_output_packs_in_inference_and_keeps_autograd_in_training():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 24), nn.Parameter(torch.randn(300))
+    output = FrozenOutput()
+    hidden = torch.randn(2, 3, 24)
+    with torch.inference_mode():
+        packed = output(hidden, weight, bias)
+    assert output._source is weight and packed.shape == (2, 3, 300)
+    torch.testing.assert_close(packed, nn.functional.linear(hidden, weight, bias), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # the bias is read at every call: a trained bias counts at once
+        bias.add_(1.0)
+        torch.testing.assert_close(output(hidden, weight, bias), packed + 1.0, atol=1e-4, rtol=1e-4)
+    trained = output(hidden, weight, bias)  # gradients wanted: plain F.linear, differentiable
+    trained.sum().backward()
+    assert bias.grad is not None and torch.equal(bias.grad, torch.full((300,), 6.0))
+    other = torch.randn(300, 24)  # a new gathered weight (another vocabulary): packed again
+    with torch.no_grad():
+        torch.testing.assert_close(output(hidden, other, None), hidden @ other.T, atol=1e-4, rtol=1e-4)
+    assert output._source is other
+    for clone in (copy.deepcopy(output), pickle.loads(pickle.dumps(output))):  # copies start unpacked
+        assert clone._source is None and clone._packed is None
+    with torch.no_grad():  # other dtypes keep F.linear
+        half = output(hidden.double(), weight.double(), None)
+    assert half.dtype == torch.float64
