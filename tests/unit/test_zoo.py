@@ -277,8 +277,15 @@ def test_export_load_round_trip(trained, model_dirs):
     input_ids = torch.randint(3, 64, (2, 20), generator=gen)
     expected, got = reference(input_ids).logits, loaded(input_ids).logits  # (2, 20, 48)
     assert got.shape == expected.shape == (2, 20, 48)
-    # float16 storage: relative error ~1e-3 per weight.
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # The export stores every layer in float16 (model.safetensors): the loaded model must be exactly
+    # the trained one with its weights rounded to float16. (Compared with the unrounded model, how
+    # far a logit moves depends on the trained weights: one run in a full suite moved one by 0.027.)
+    with torch.no_grad():
+        for name, tensor in reference.state_dict().items():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.half().float())
+    torch.testing.assert_close(got, reference(input_ids).logits, rtol=1e-5, atol=1e-5)
+    # And the rounding costs next to nothing: the greedy token is the float32 model's almost everywhere.
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
 
 
