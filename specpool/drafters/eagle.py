@@ -255,16 +255,17 @@ class EagleDrafter:
         token_of: list[int] = []
         frontier, guesses, rows = [ROOT], guess.view(1, -1), [0]  # rows: each frontier node's cache row
         cache = session.cache
+        floor = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
         for depth in range(k):
             logp = torch.log_softmax(self.head.reduced_logits(guesses).float(), dim=-1)  # (F, V_r)
             top_logp, top_ids = logp.topk(min(beam, logp.shape[-1]), dim=-1)  # (F, b)
-            base = torch.tensor([0.0 if f == ROOT else scores[f] for f in frontier]).unsqueeze(1)  # (F, 1)
+            base = torch.tensor([0.0 if f == ROOT else scores[f] for f in frontier], device=logp.device).unsqueeze(1)  # (F, 1)
             paths = (base + top_logp).flatten()  # (F * b,)
             first = len(scores)
             scores.extend(paths.tolist())
             parent_of.extend(f for f in frontier for _ in range(top_ids.shape[1]))
-            token_of.extend(self.output_ids[top_ids.flatten()].tolist())
-            if depth + 1 == k:
+            token_of.extend(self.output_ids[top_ids.flatten().cpu()].tolist())  # output_ids live on the CPU
+            if depth + 1 == k or float(paths.max()) < floor:  # no deeper node could make the tree
                 break
             best = paths.topk(min(beam, paths.numel())).indices.tolist()  # next frontier, best first
             parent_rows = [rows[b // top_ids.shape[1]] for b in best]
@@ -277,7 +278,6 @@ class EagleDrafter:
         # The tree: the likeliest candidates, ancestors first (a child's path probability is at most
         # its parent's; ties keep creation order, in which a parent comes first).
         order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
-        floor = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
         chosen = sorted(c for c in order[: self.tree_nodes] if scores[c] >= floor)
         # A node whose parent was not chosen cannot be verified: drop it (only ties can cause this).
         kept: dict[int, int] = {}

@@ -216,6 +216,39 @@ def test_the_heads_tree_expands_its_likeliest_nodes(head, target_lm, prompts):
         assert drafter.features_held(f"s{s}") == len(context) - 1  # the session's cache untouched
 
 
+@torch.inference_mode()
+def path_probability(head, context: list[int], features: torch.Tensor, path: list[int]) -> float:
+    """The product of the head's probabilities along ``path``, recomputed without a cache."""
+    n = len(context)
+    ids, feats, probability = list(context[1:n]), [features[t] for t in range(n - 1)], 1.0
+    for token in path:
+        guess = head(torch.tensor([ids]), torch.stack(feats)[None], None, start=0)[0, -1]  # (d,)
+        probs = torch.softmax(head.reduced_logits(guess), dim=-1)  # (V_r,)
+        probability *= float(probs[int(head.reduced_index()[token]) - 1])
+        ids.append(token)
+        feats.append(guess)
+    return probability
+
+
+def test_a_minimum_path_probability_prunes_the_tree(head, target_lm, prompts):
+    model, _ = target_lm
+    full, pruned = (drafter_of(head, tree_nodes=12, tree_beam=3, tree_min_prob=p) for p in (0.0, 0.2))
+    sizes = []
+    for s, sequence in enumerate(prompts[:5]):
+        context = sequence[:16]
+        for drafter in (full, pruned):
+            tell(drafter, f"p{s}", model, context)
+        big, small = (d.propose_tree(f"p{s}", context, 4, GREEDY) for d in (full, pruned))
+        features = final_hidden(model, context)
+        for i in range(len(small.tokens)):
+            path = [small.tokens[a] for a in ancestors(small.parents, i)]
+            assert path_probability(head, context, features, path) >= 0.2 - 1e-4, (s, i)
+        kept = {tuple(small.tokens[a] for a in ancestors(small.parents, i)) for i in range(len(small.tokens))}
+        assert kept <= {tuple(big.tokens[a] for a in ancestors(big.parents, i)) for i in range(len(big.tokens))}
+        sizes.append((len(small.tokens), len(big.tokens)))
+    assert sum(a for a, _ in sizes) < sum(b for _, b in sizes)  # it did prune
+
+
 def test_tree_options_are_checked(head):
     for options in ({"tree_nodes": -1}, {"tree_beam": 0}, {"tree_min_prob": 1.0}):
         with pytest.raises(InvalidArgument, match="draft tree"):
