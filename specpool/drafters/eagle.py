@@ -253,7 +253,7 @@ class EagleDrafter:
         scores: list[float] = []
         parent_of: list[int] = []
         token_of: list[int] = []
-        frontier, guesses, rows = [ROOT], guess.view(1, -1), [0]  # rows: each frontier node's cache row
+        frontier, guesses = [ROOT], guess.view(1, -1)  # frontier node j's guess and cache are row j
         cache = session.cache
         floor = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
         for depth in range(k):
@@ -268,13 +268,12 @@ class EagleDrafter:
             if depth + 1 == k or float(paths.max()) < floor:  # no deeper node could make the tree
                 break
             best = paths.topk(min(beam, paths.numel())).indices.tolist()  # next frontier, best first
-            parent_rows = [rows[b // top_ids.shape[1]] for b in best]
-            cache = _select_rows(cache, parent_rows)
+            parent_rows = [b // top_ids.shape[1] for b in best]  # each one's parent's row
+            cache = _select_rows(cache, parent_rows)  # copies: the session's own cache never sees the tree
             step = torch.tensor([[token_of[first + b]] for b in best], dtype=torch.long, device=self.head.device)  # (F', 1)
-            inputs = guesses[[b // top_ids.shape[1] for b in best]].unsqueeze(1)  # (F', 1, d): the guess each token came from
+            inputs = guesses[parent_rows].unsqueeze(1)  # (F', 1, d): the guess each token came from
             guesses = self.head(step, inputs, cache, start=n - 1 + depth)[:, -1]  # (F', d)
-            frontier, rows = [first + b for b in best], list(range(len(best)))
-        session.crop(n - 1)  # the session's own cache never saw the tree (rows were copies)
+            frontier = [first + b for b in best]
         # The tree: the likeliest candidates, ancestors first (a child's path probability is at most
         # its parent's; ties keep creation order, in which a parent comes first).
         order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
@@ -315,8 +314,7 @@ def _make_eagle(name: str, argument: str, context: DrafterContext) -> EagleDraft
     """``eagle:NAME`` (a shipped head) or ``eagle:PATH`` (a trained folder)."""
     if not argument:
         raise InvalidArgument(f"eagle needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
-    head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
-    return EagleDrafter(name, head, metadata)
+    return _head_drafter(name, argument, context)
 
 
 @register_drafter(TREE_KIND)
@@ -324,8 +322,12 @@ def _make_eagle_tree(name: str, argument: str, context: DrafterContext) -> Eagle
     """``eagle-tree:NAME``: the head of ``eagle:NAME`` drafting trees in greedy rounds (chains otherwise)."""
     if not argument:
         raise InvalidArgument(f"eagle-tree needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
+    return _head_drafter(name, argument, context, tree_nodes=DEFAULT_TREE_NODES)
+
+
+def _head_drafter(name: str, argument: str, context: DrafterContext, **options) -> EagleDrafter:
     head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
-    return EagleDrafter(name, head, metadata, tree_nodes=DEFAULT_TREE_NODES)
+    return EagleDrafter(name, head, metadata, **options)
 
 
 def _select_rows(cache: KVCache, rows: list[int]) -> KVCache:
