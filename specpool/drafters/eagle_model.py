@@ -39,6 +39,18 @@ class EagleConfig:
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
     max_positions: int = 8192
+    # EAGLE-3's fusion: hidden states of these target layers (indices into the model's
+    # ``hidden_states``: 0 = embeddings, i = output of layer i-1) are read beside the final
+    # feature at positions whose features the target computed; () = the final feature only.
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))  # a card's JSON list
+
+    @property
+    def feature_width(self) -> int:
+        """Width of a true feature row: the final feature, then each of ``feature_layers``."""
+        return self.hidden_size * (1 + len(self.feature_layers))
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +80,10 @@ class EagleHead(nn.Module):
         # already has the LM head's scale).
         self.feature_norm = RMSNorm(d, config.rms_eps)
         self.fuse = nn.Linear(2 * d, d, bias=False)  # [embedding ; feature] -> d
+        if config.feature_layers:  # added to the fusion; zero at first, so a warm start drafts as before
+            self.layer_norms = nn.ModuleList(RMSNorm(d, config.rms_eps) for _ in config.feature_layers)
+            self.layer_fuse = nn.Linear(d * len(config.feature_layers), d, bias=False)
+            nn.init.zeros_(self.layer_fuse.weight)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))  # type: ignore[arg-type]
         self.norm = RMSNorm(d, config.rms_eps)
         self.head_bias = nn.Parameter(torch.zeros(len(vocab_ids)))  # (V_r,)
@@ -103,13 +119,20 @@ class EagleHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, cache: KVCache | None = None,
                 start: int | None = None) -> torch.Tensor:
         """Predicted next features (B, T, d) for head positions start .. start+T-1, whose inputs are
-        ``input_ids`` (B, T) = x_{t+1} and ``features`` (B, T, d) = f_t. ``start``: the first
-        position (default: the cache's length, or 0)."""
+        ``input_ids`` (B, T) = x_{t+1} and ``features`` (B, T, d) = f_t, or (B, T,
+        ``config.feature_width``) where the target's fused layers are known (true features; the
+        head's own guesses are d wide and carry no layers). ``start``: the first position (default:
+        the cache's length, or 0)."""
         if start is None:
             start = cache.get_seq_length() if cache is not None else 0
         T = input_ids.shape[1]
         x = F.embedding(input_ids, self.embedding)  # (B, T, d)
-        x = self.fuse(torch.cat([x, self.feature_norm(features.to(x.dtype))], dim=-1))  # (B, T, d)
+        d = self.config.hidden_size
+        features = features.to(x.dtype)
+        x = self.fuse(torch.cat([x, self.feature_norm(features[..., :d])], dim=-1))  # (B, T, d)
+        if features.shape[-1] > d:  # the target's other layers, one norm each
+            layers = features[..., d:].unflatten(-1, (len(self.config.feature_layers), d))  # (B, T, E, d)
+            x = x + self.layer_fuse(torch.cat([n(layers[..., i, :]) for i, n in enumerate(self.layer_norms)], dim=-1))
         cos, sin = rope_tables(self.config, torch.arange(start, start + T, device=x.device))  # type: ignore[arg-type]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:

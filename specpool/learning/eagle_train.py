@@ -249,7 +249,7 @@ def head_loss(head: EagleHead, batch: dict[str, torch.Tensor], recipe: str, unro
         if j >= valid.shape[1]:
             break
         predicted = head(batch["ids"][:, j:], features)  # (B, T-j, d): step j, positions j..
-        target = batch["targets"][:, j:]
+        target = batch["targets"][:, j:, :predicted.shape[-1]]  # the final feature (fused layers are inputs only)
         mask = valid[:, j:]
         regression = F.smooth_l1_loss(predicted[mask], target[mask])
         where = answer[:, j:]

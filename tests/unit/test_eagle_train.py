@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from specpool.drafters.base import leading_matches
 from specpool.drafters.eagle import EagleDrafter, load_eagle_head
-from specpool.drafters.eagle_model import EagleHead
+from specpool.drafters.eagle_model import EagleConfig, EagleHead
 from specpool.learning.eagle_train import (
     DEFAULT_FEATURES_CONTEXT, FeatureSequence, HeadOptions, collate_heads, head_loss, heldout_acceptance,
     load_feature_teacher, train_head, trim_features,
@@ -311,3 +311,55 @@ def test_heldout_acceptance_is_what_the_drafter_gets(recipe, trained, teacher, h
     got = heldout_acceptance(head, sequences)
     assert got == pytest.approx(drafted_acceptance(head, sequences), abs=1e-9)
     assert got > 1.0  # some drafts accepted: the comparison counted something
+
+
+def test_fused_layers_start_as_the_final_feature_head_and_learn_from_their_own_rows():
+    """EagleConfig.feature_layers (EAGLE-3's fusion, measured by bench/feature_fusion.py): zero at
+    first, so a fused head warm-started from a final-feature head drafts exactly as it does; true
+    rows carry the layers (width d(1+E)), the head's own guesses do not (width d); the fusion gets
+    gradients from head_loss, whose regression target is the final feature only; a card's JSON
+    list of layers loads as the tuple."""
+    torch.manual_seed(0)
+    d, V = 8, 32
+    base_config = EagleConfig(hidden_size=d, num_heads=2, num_kv_heads=1, intermediate_size=16, reduced_vocab=16)
+    embedding = torch.randn(V, d)
+    base = EagleHead(base_config, embedding, torch.arange(16))
+    config = dataclasses.replace(base_config, feature_layers=[2, 5])
+    assert config.feature_layers == (2, 5) and config.feature_width == 3 * d
+    assert EagleConfig(**json.loads(json.dumps(config.to_dict()))) == config
+    fused = EagleHead(config, embedding, torch.arange(16))
+    missing = fused.load_state_dict(base.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["layer_fuse.weight", "layer_norms.0.weight", "layer_norms.1.weight"]
+    ids, rows = torch.randint(0, V, (2, 5)), torch.randn(2, 5, 3 * d)
+    with torch.no_grad():
+        assert torch.allclose(fused(ids, rows), base(ids, rows[..., :d]), atol=1e-6)
+        assert torch.allclose(fused(ids, rows[..., :d]), base(ids, rows[..., :d]), atol=1e-6)
+        fused.layer_fuse.weight.normal_()
+        assert not torch.allclose(fused(ids, rows), base(ids, rows[..., :d]), atol=1e-3)  # the layers are read
+    batch = collate_heads([make_sequence(4, 6, d=3 * d, k=2)], torch.arange(V).remainder(16))
+    loss, _ = head_loss(fused, batch, "unroll", 2)
+    loss.backward()
+    assert fused.layer_fuse.weight.grad is not None and fused.layer_fuse.weight.grad.abs().sum() > 0
+
+
+def test_feature_fusion_bench_rows_are_the_final_then_the_chosen_layers(target_lm):
+    """bench/feature_fusion.py's teacher: the target's greedy answer, then rows [final ; layer i ...]
+    of prompt + answer from ``context`` prompt positions before the answer, and the top-K labels
+    at answer positions."""
+    from bench.feature_fusion import answer, features_of, final_only
+
+    model, tokenizer = target_lm
+    prompts = ["the cat sat", "a dog ran far"]
+    stop = tokenizer.eos_token_id
+    answers = answer(model, tokenizer, prompts, 6, 2, stop)
+    sequences = features_of(model, tokenizer, prompts, answers, (1, 2), context=2, top_k=3)
+    d = model.config.hidden_size
+    for s in sequences:
+        L, P, fs = len(s.tokens), s.answer_start, s.feature_start
+        assert fs == P - 2 and s.features.shape == (L - 1 - fs, 3 * d) and s.label_ids.shape == (L - P, 3)
+        with torch.no_grad():
+            hs = model(input_ids=s.tokens[None].clone(), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[-1][0], hs[1][0], hs[2][0]], dim=-1)[fs:L - 1]
+        torch.testing.assert_close(s.features.float(), want, atol=2e-3, rtol=2e-3)
+        assert s.label_ids[:, 0].tolist() == s.tokens[P:].tolist()  # greedy: each answer token is the top-1
+        assert final_only(s, d).features.shape == (L - 1 - fs, d)
