@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt (embedded mode)")
     gen.add_argument("prompt")
     gen.add_argument("--drafter", default=None,
-                     help="one fixed drafter: a spec (ngram, code, hf:PATH, ...) or none; default ngram unless --policy is given")
+                     help="one fixed drafter: a spec (ngram, code, eagle:general, hf:PATH, ...) or none; default unless --policy "
+                          "is given: lookup:eagle:general for the default target, ngram for any other")
     gen.add_argument("--policy", default=None,
                      help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
                           "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, ucb-replay, random, fixed:NAME; append +warm for tenant warm start")
@@ -159,7 +160,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     from specpool.drafters.zoo import shipped_names
     from specpool.router.policies import PolicyOptions, make_policy, parse_arm
     from specpool.router.session_store import SessionKey, open_store
-    from specpool.services.engine import EmbeddedEngine, EngineConfig, default_pool
+    from specpool.services.engine import EmbeddedEngine, EngineConfig, default_drafter, default_pool
     from specpool.target.models import ModelConfig
     from specpool.target.sampling import validate_draft_length
 
@@ -169,7 +170,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     _sampling_params(args, ()).validate()
     if args.policy is not None and args.drafter is not None:
         raise InvalidArgument("give either --drafter or --policy, not both (a fixed drafter is --policy fixed:NAME)")
-    drafter = None if args.drafter == "none" else (args.drafter or ("ngram" if args.policy is None else None))
+    drafter = None if args.drafter == "none" else (args.drafter or (default_drafter(args.target) if args.policy is None else None))
     names = ", ".join(shipped_names() + [f"{kind}:..." for kind in drafter_kinds() if kind != "ngram"] + ["ngram", "none"])
     pool = None
     options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specpool.core.defaults import DEFAULT_K, DEFAULT_TENANT
+from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_TENANT, FALLBACK_DRAFTER
 from specpool.drafters.base import Drafter
+from specpool.drafters.eagle import shipped_heads
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.drafters.zoo import shipped_names
 from specpool.learning.learner import EmbeddedLearning
@@ -41,6 +42,12 @@ class EngineConfig:
 def default_pool() -> list[str]:
     """The drafters a policy chooses among unless told otherwise: n-gram and every shipped zoo drafter."""
     return ["ngram"] + shipped_names()
+
+
+def default_drafter(target: str) -> str:
+    """The fixed drafter of a request that names none: DEFAULT_DRAFTER for the target the shipped
+    heads were trained on, FALLBACK_DRAFTER for any other (a head is refused by another target)."""
+    return DEFAULT_DRAFTER if target == DEFAULT_TARGET and "general" in shipped_heads() else FALLBACK_DRAFTER
 
 
 class LocalDrafters:

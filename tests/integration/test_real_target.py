@@ -55,16 +55,24 @@ def test_target_only_matches_hugging_face_greedy(engine: EmbeddedEngine) -> None
 
 
 def test_cli_generate_json_on_default_target() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "specpool.cli.main", "generate", "Count from 1 to 10, separated by commas.",
-         "--max-new-tokens", "20", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    """The README's main job: the default drafter on the default target (prompt lookup, then the
+    general white-box head), answering exactly as the target alone does."""
+    def generate(*extra: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-m", "specpool.cli.main", "generate", "Count from 1 to 10, separated by commas.",
+             "--max-new-tokens", "20", "--json", *extra],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    result = generate()
     assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
     assert result["stats"]["new_tokens"] == len(result["token_ids"]) <= 20
     assert result["text"]
+    assert result["stats"]["policy"] == "fixed:lookup:eagle:general"
+    assert result["stats"]["rounds"] < result["stats"]["new_tokens"]  # the drafts were accepted, at times
+    assert result["token_ids"] == generate("--drafter", "none")["token_ids"]
 
 
 def test_bench_served_embedded_worker_answers_like_the_engine(engine: EmbeddedEngine) -> None:

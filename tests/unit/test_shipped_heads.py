@@ -55,3 +55,16 @@ def test_whole_shipped_zoo_fits_its_budget() -> None:
     total = sum(p.stat().st_size for name in zoo.shipped_names() for p in shipped_files(zoo.SHIPPED_DIR / name))
     total += sum(p.stat().st_size for name in eagle.shipped_heads() for p in shipped_files(eagle.SHIPPED_DIR / name))
     assert total <= MAX_ZOO_BYTES, f"shipped drafters and heads take {total / 1e6:.1f} MB > 120 MB"
+
+
+def test_the_default_drafter_is_the_general_head_behind_lookup_on_its_own_target_only() -> None:
+    """`specpool generate` without --drafter: lookup:eagle:general for the target the heads read,
+    ngram for any other (whose features a head cannot read), both drafters the registry knows."""
+    from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, FALLBACK_DRAFTER
+    from specpool.drafters.registry import known_spec
+    from specpool.services.engine import default_drafter
+
+    assert default_drafter(DEFAULT_TARGET) == DEFAULT_DRAFTER == "lookup:eagle:general"
+    assert default_drafter("/models/some-other-target") == FALLBACK_DRAFTER == "ngram"
+    assert known_spec(DEFAULT_DRAFTER) and known_spec(FALLBACK_DRAFTER)
+    assert json.loads((eagle.SHIPPED_DIR / "general" / "config.json").read_text())["target"] == DEFAULT_TARGET
