@@ -105,7 +105,11 @@ def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") 
         weights = load_file(str(weights_path))
     except Exception as exc:  # noqa: BLE001 - any unreadable file means the same to the user
         raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
-    head = EagleHead(EagleConfig(**metadata["model"]), embedding, weights["vocab_ids"].long(), output)
+    config = EagleConfig(**metadata["model"])
+    if config.feature_layers:  # bench/feature_fusion.py trains such heads; verification returns the final feature only
+        raise InvalidArgument(f"{folder} reads target layers {list(config.feature_layers)} beside the final feature; "
+                              "the target's verification returns the final feature only, so it cannot draft")
+    head = EagleHead(config, embedding, weights["vocab_ids"].long(), output)
     head.load_state_dict({k: v.float() if v.is_floating_point() else v.long() for k, v in weights.items()})
     head.to(device).eval()
     return head, metadata

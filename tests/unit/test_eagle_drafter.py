@@ -525,3 +525,13 @@ def test_a_target_that_is_not_a_local_folder_is_one_clear_error(head_dir, home):
     with pytest.raises(ModelUnavailable) as caught:
         load_eagle_head(head_dir, home, "some-org/some-model")  # a hub id: no local weights to borrow
     assert "needs its target some-org/some-model as a local folder" in one_line(caught.value)
+
+
+def test_a_head_that_reads_fused_layers_is_refused_in_one_line(tmp_path, head, home, model_dirs, target_lm):
+    """EagleConfig.feature_layers heads (bench/feature_fusion.py) need layers the verifier does not
+    return: refused at load, never drafting on the final feature alone by accident."""
+    folder = write_head(tmp_path / "fused", head, model_dirs.target, target_lm[1],
+                        model={**head.config.to_dict(), "feature_layers": [1]})
+    with pytest.raises(InvalidArgument) as caught:
+        create_drafter(f"eagle:{folder}", DrafterContext(home, target=str(model_dirs.target)))
+    assert "reads target layers [1]" in one_line(caught.value) and "final feature only" in caught.value.args[0]
