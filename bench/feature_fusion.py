@@ -8,7 +8,8 @@ shipped heads read), or EAGLE-3's fusion of a low and a middle layer beside it? 
    corpus order the heads were trained from (``DEFAULT_RECIPES``).
 2. The target answers them greedily (batched ``generate``); one teacher-forced forward over
    prompt + answer then records every hidden state wanted (final, and ``--layers``) and the
-   target's top-K at each answer position. Both are cached under ``--cache`` (rerun = no target).
+   target's top-K at each answer position. The answers are cached under ``--cache`` (a rerun
+   does not answer again; the forwards are repeated).
 3. Two heads start from the same shipped head (``--init-from``) and train the same steps on the
    same batches: *final* reads the final feature, *fused* also the ``--layers`` hidden states
    through a zero-initialised fusion (``EagleConfig.feature_layers``), so both start equal.
@@ -31,10 +32,13 @@ from tqdm import tqdm
 
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.eagle import head_folder, load_eagle_head
-from specpool.drafters.eagle_model import EagleConfig, EagleHead
-from specpool.learning.eagle_train import FeatureSequence, HeadOptions, heldout_acceptance, train_head_steps
+from specpool.drafters.eagle_model import EagleHead
+from specpool.learning.eagle_train import FeatureSequence, HeadOptions, train_head_steps
 from specpool.learning.zoo_data import DEFAULT_RECIPES, DOMAINS, collect_prompts
 from specpool.learning.zoo_train import TrainConfig, encode_chat, prompt_hash, split_heldout
+from specpool.services.config import settings_from_env
+
+MAX_PROMPT_TOKENS = TrainConfig.__dataclass_fields__["max_prompt_tokens"].default  # prompts cut as the heads' teacher cuts them
 
 
 def pick_prompts(data_root: Path, train: int, heldout: int, seed: int) -> tuple[list[str], list[str]]:
@@ -51,7 +55,7 @@ def pick_prompts(data_root: Path, train: int, heldout: int, seed: int) -> tuple[
 @torch.inference_mode()
 def answer(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int, stop: int) -> dict[int, list[int]]:
     """The target's greedy answers (ids, the stop token included when reached), batched."""
-    encoded = {p: encode_chat(tokenizer, p, 320) for p in prompts}
+    encoded = {p: encode_chat(tokenizer, p, MAX_PROMPT_TOKENS) for p in prompts}
     order = sorted(prompts, key=lambda p: len(encoded[p]))
     out = {}
     for first in tqdm(range(0, len(order), batch), desc="target answers", unit="batch"):
@@ -78,7 +82,7 @@ def features_of(model, tokenizer, prompts: list[str], answers: dict[int, list[in
     lm_head = model.get_output_embeddings()
     out = []
     for p in tqdm(prompts, desc="teacher features", unit="prompt"):
-        prompt_ids, ans = encode_chat(tokenizer, p, 320), answers[prompt_hash(p)]
+        prompt_ids, ans = encode_chat(tokenizer, p, MAX_PROMPT_TOKENS), answers[prompt_hash(p)]
         tokens = torch.tensor(prompt_ids + ans)
         P, L = len(prompt_ids), len(tokens)
         hs = model(input_ids=tokens[None], output_hidden_states=True).hidden_states
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-root", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache/specpool/bench/feature-fusion")
+    ap.add_argument("--cache", type=Path, default=None, help="answers cache (default: $SPECPOOL_HOME/bench/feature-fusion)")
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--init-from", default="general", help="shipped head (or folder) both heads start from")
     ap.add_argument("--layers", default="3,15", help="hidden_states indices fused beside the final feature")
@@ -123,13 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     from specpool.target.models import ModelConfig, load_causal_lm
 
     layers = tuple(int(x) for x in args.layers.split(","))
-    home = Path.home() / ".cache/specpool"
+    home = settings_from_env().home
+    cache = args.cache or home / "bench" / "feature-fusion"
     torch.manual_seed(args.seed)
     train_prompts, heldout_prompts = pick_prompts(args.data_root, args.train_prompts, args.heldout_prompts, args.seed)
     model, tokenizer = load_causal_lm(ModelConfig(args.target, "cpu", dtype="float32"), home)
     stop = tokenizer.eos_token_id
-    args.cache.mkdir(parents=True, exist_ok=True)
-    answers_file = args.cache / f"answers-{args.max_new_tokens}.json"
+    cache.mkdir(parents=True, exist_ok=True)
+    answers_file = cache / f"answers-{args.max_new_tokens}.json"
     answers = {int(k): v for k, v in json.loads(answers_file.read_text()).items()} if answers_file.exists() else {}
     todo = [p for p in train_prompts + heldout_prompts if prompt_hash(p) not in answers]
     if todo:
@@ -141,8 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base, _ = load_eagle_head(head_folder(args.init_from), home, args.target)
     d = base.config.hidden_size
-    vocab_map = torch.full((base.vocab_size,), -1, dtype=torch.long)
-    vocab_map[base.vocab_ids] = torch.arange(len(base.vocab_ids))
+    vocab_map = base.reduced_index() - 1  # (V,) full id -> reduced index, -1 outside
     config = TrainConfig(domain="general", data=(), steps=args.steps, lr=args.lr, warmup=20, seed=args.seed,
                          save_every=args.check_every, train_context_tokens=args.context, batch_size=8)
     options = HeadOptions(recipe=args.recipe, unroll=args.unroll)
