@@ -536,44 +536,52 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
 
     from specpool.services.local_serve import _children, lower_daemon_priority
 
-    def sleeper(*extra: str) -> list[str]:
-        return [sys.executable, "-c", "import sys, time; time.sleep(60)", *extra]
-
-    # A daemon, a replica and a daemon one level further down (Ray's agents are the raylet's children).
-    # (The marker is joined at run time, so the middle process's own command line does not hold it.)
-    spawn_grandchild = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-                        "'import time; time.sleep(60)', 'ray::' + 'DashboardAgent']); time.sleep(60)")
-    children = [subprocess.Popen(sleeper("ray::ServeController")),
-                subprocess.Popen(sleeper("ray::ServeReplica:target:Target")),
-                subprocess.Popen([sys.executable, "-c", spawn_grandchild, "raylet/raylet"])]
+    # The scene is built under a root process of the test's own and searched from there: the pytest
+    # process may hold other children (a Ray cluster another test left behind), not this test's business.
+    # Under the root: a daemon, a replica and a daemon one level further down (Ray's agents are the
+    # raylet's children). The markers are joined at run time, so no parent's own command line holds them.
+    spawn_scene = (
+        "import subprocess, sys, time\n"
+        "def sleeper(*extra): return subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', *extra])\n"
+        "grandparent = ('import subprocess, sys, time; subprocess.Popen([sys.executable, \"-c\", '\n"
+        "               '\"import time; time.sleep(60)\", \"ray::\" + \"DashboardAgent\"]); time.sleep(60)')\n"
+        "kids = [sleeper('ray::' + 'ServeController'), sleeper('ray::' + 'ServeReplica:target:Target'),\n"
+        "        subprocess.Popen([sys.executable, '-c', grandparent, 'raylet/' + 'raylet'])]\n"
+        "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+        "time.sleep(60)\n")
+    root = subprocess.Popen([sys.executable, "-c", spawn_scene], stdout=subprocess.PIPE, text=True)
     try:
+        controller, replica, raylet = (int(pid) for pid in root.stdout.readline().split())
         deadline = time.monotonic() + 20
         grandchild = None
         while grandchild is None and time.monotonic() < deadline:
-            found = _children().get(children[2].pid, [])
+            found = _children().get(raylet, [])
             grandchild = found[0] if found else None
             time.sleep(0.05)
         assert grandchild is not None
         base = os.getpriority(os.PRIO_PROCESS, 0)
         level = min(19, base + 7)
-        lowered = lower_daemon_priority(level)
-        assert lowered == {children[0].pid: "Serve controller", grandchild: "dashboard agent"}
-        assert os.getpriority(os.PRIO_PROCESS, children[0].pid) == level
+        lowered = lower_daemon_priority(level, root=root.pid)
+        assert lowered == {controller: "Serve controller", grandchild: "dashboard agent"}
+        assert os.getpriority(os.PRIO_PROCESS, controller) == level
         assert os.getpriority(os.PRIO_PROCESS, grandchild) == level
-        assert os.getpriority(os.PRIO_PROCESS, children[1].pid) == base  # a replica keeps its priority
-        assert os.getpriority(os.PRIO_PROCESS, children[2].pid) == base  # and so does the raylet
+        assert os.getpriority(os.PRIO_PROCESS, replica) == base  # a replica keeps its priority
+        assert os.getpriority(os.PRIO_PROCESS, raylet) == base  # and so does the raylet
+        assert os.getpriority(os.PRIO_PROCESS, root.pid) == base  # and the root
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # and the caller
-        assert lower_daemon_priority(base) == lowered  # never raises a priority back
-        assert os.getpriority(os.PRIO_PROCESS, children[0].pid) == level
+        assert lower_daemon_priority(base, root=root.pid) == lowered  # never raises a priority back
+        assert os.getpriority(os.PRIO_PROCESS, controller) == level
     finally:
-        for child in children:
-            child.kill()
-            child.wait()
-        if grandchild is not None:
+        scene = [root.pid]
+        tree = _children()
+        for pid in scene:
+            scene.extend(tree.get(pid, []))
+        for pid in reversed(scene):
             try:
-                os.kill(grandchild, 9)
+                os.kill(pid, 9)
             except ProcessLookupError:
                 pass
+        root.wait(10)
 
 
 def test_a_port_is_taken_while_something_listens_not_while_old_connections_linger():
@@ -655,3 +663,68 @@ def test_the_replicas_read_only_args_their_builders_parse():
                     checked += 1
                     assert node.attr in known, f"{cls.name}.{method.name} reads args.{node.attr}, which {wanted[cls.name].__name__} lacks"
     assert checked > 20
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_ray_start_that_times_out_is_torn_down_and_tried_once_more(monkeypatch):
+    """Injected fault: ``ray.init`` starts processes, then raises as Ray does when its raylet does not
+    register in time. What it left is killed before the second try; the second try's cluster stays."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from specpool.services.local_serve import init_ray
+
+    started: list[subprocess.Popen] = []
+    failures = ["The current node timed out during startup. This could happen because some of the raylet "
+                "failed to startup or the GCS has become overloaded."]
+
+    def flaky_init(**kwargs):
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        if failures:
+            raise Exception(failures.pop())
+
+    monkeypatch.setattr(ray, "init", flaky_init)
+    messages: list[str] = []
+    try:
+        init_ray({"address": "local"}, messages.append)
+        assert len(started) == 2
+        assert started[0].wait(10) == -9  # the failed start's process: killed
+        assert started[1].poll() is None  # the good start's process: running
+        assert len(messages) == 1 and "timed out during startup" in messages[0] and "again" in messages[0]
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_ray_start_that_keeps_failing_is_one_line_and_leaves_nothing(monkeypatch):
+    import subprocess
+    import sys
+
+    import ray
+
+    from specpool.services.local_serve import init_ray
+
+    started: list[subprocess.Popen] = []
+
+    def failing_init(**kwargs):
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    try:
+        with pytest.raises(ModelUnavailable) as caught:
+            init_ray({"address": "local"})
+        assert len(started) == 2 and all(p.wait(10) == -9 for p in started)
+        assert "\n" not in str(caught.value) and str(caught.value).startswith("Ray did not start: The current node")
+        started.clear()
+        with pytest.raises(ModelUnavailable):  # a cluster given by address is not started twice
+            init_ray({"address": "ray://elsewhere:10001"}, retry=False)
+        assert len(started) == 1 and started[0].wait(10) == -9
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(10)
