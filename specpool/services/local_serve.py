@@ -113,6 +113,16 @@ def _children() -> dict[int, list[int]]:
     return children
 
 
+def _descendants(root: int) -> set[int]:
+    children, found = _children(), set()
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.add(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
 def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, str]:
     """Run Ray's background processes (``RAY_DAEMONS``) started under ``root`` (this process) at
     ``niceness``; returns {pid: which daemon} of those it lowered. Linux only; elsewhere, or for a
@@ -131,12 +141,8 @@ def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, s
     starts later inherit it. Never raises a priority; needs no privileges (same user)."""
     if not os.path.isdir("/proc") or not hasattr(os, "setpriority"):
         return {}
-    children = _children()
     lowered: dict[int, str] = {}
-    stack = list(children.get(os.getpid() if root is None else root, []))
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
+    for pid in _descendants(os.getpid() if root is None else root):
         try:
             with open(f"/proc/{pid}/cmdline") as f:
                 command = f.read().replace("\0", " ")
@@ -150,16 +156,6 @@ def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, s
             continue
         lowered[pid] = daemon
     return lowered
-
-
-def _descendants(root: int) -> set[int]:
-    children, found = _children(), set()
-    stack = list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        found.add(pid)
-        stack.extend(children.get(pid, []))
-    return found
 
 
 def _kill(pids: set[int]) -> None:

@@ -534,7 +534,7 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
     import sys
     import time
 
-    from specpool.services.local_serve import _children, lower_daemon_priority
+    from specpool.services.local_serve import _children, _descendants, lower_daemon_priority
 
     # The scene is built under a root process of the test's own and searched from there: the pytest
     # process may hold other children (a Ray cluster another test left behind), not this test's business.
@@ -572,11 +572,7 @@ def test_ray_daemons_are_lowered_to_the_given_niceness_and_nothing_else_is():
         assert lower_daemon_priority(base, root=root.pid) == lowered  # never raises a priority back
         assert os.getpriority(os.PRIO_PROCESS, controller) == level
     finally:
-        scene = [root.pid]
-        tree = _children()
-        for pid in scene:
-            scene.extend(tree.get(pid, []))
-        for pid in reversed(scene):
+        for pid in [*_descendants(root.pid), root.pid]:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
