@@ -14,6 +14,7 @@ import errno
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -159,8 +160,6 @@ def lower_daemon_priority(niceness: int, root: int | None = None) -> dict[int, s
 
 
 def _kill(pids: set[int]) -> None:
-    import signal
-
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -168,29 +167,29 @@ def _kill(pids: set[int]) -> None:
             pass
 
 
-def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message: None, *,
-             retry: bool = True, attempts: int = 2) -> None:
-    """``ray.init(**init_kwargs)``; a local cluster that fails to start is torn down and, with
-    ``retry``, started once more.
+def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message: None, *, attempts: int = 2) -> None:
+    """``ray.init(**init_kwargs)``; a local cluster that fails to start is torn down and started
+    again, up to ``attempts`` starts in all.
 
     Why: Ray waits a fixed 30 s for its new raylet to register with the GCS and then raises, leaving
     the GCS, the raylet and their helpers running under this process (the failed node is never
     handed to ``ray.shutdown()``). On a loaded 2-core machine that wait has run out once in CI; the
     processes it left then sat under the test process. Here they are killed (whatever the start
-    added under this process: nothing else is touched) and one more start is tried; a second
-    failure is a ModelUnavailable saying where Ray's logs are."""
+    added under this process: nothing else is touched) and one more start is tried; the last
+    failure is a ModelUnavailable saying where Ray's logs are. Without /proc (not Linux) there is
+    nothing to clean up from, so one plain try."""
     import ray
 
-    if not os.path.isdir("/proc"):  # no process table to clean up from: one plain try
-        ray.init(**init_kwargs)
-        return
-    tries = attempts if retry else 1
+    has_proc = os.path.isdir("/proc")
+    tries = attempts if has_proc else 1
     for attempt in range(1, tries + 1):
-        before = _descendants(os.getpid())
+        before = _descendants(os.getpid()) if has_proc else set()
         try:
             ray.init(**init_kwargs)
             return
         except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception for a node that did not start
+            if not has_proc:
+                raise
             reason = _first_line(exc)
             try:
                 ray.shutdown()  # whatever part of the driver state was set up
@@ -247,7 +246,7 @@ def start_local(
     for name, value in SERVE_ENV.items():  # read by every Ray process it starts
         os.environ.setdefault(name, value)
     if not (ray_address is not None and ray.is_initialized()):  # a caller may have connected already
-        init_ray(init_kwargs, progress, retry=ray_address is None)
+        init_ray(init_kwargs, progress, attempts=2 if ray_address is None else 1)  # never restart another's cluster
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
     http_host = DEFAULT_GRPC_HOST if plan.http_host in ("0.0.0.0", "::", "") else plan.http_host
     started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",

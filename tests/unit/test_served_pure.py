@@ -718,7 +718,7 @@ def test_a_ray_start_that_keeps_failing_is_one_line_and_leaves_nothing(monkeypat
         assert "\n" not in str(caught.value) and str(caught.value).startswith("Ray did not start: The current node")
         started.clear()
         with pytest.raises(ModelUnavailable):  # a cluster given by address is not started twice
-            init_ray({"address": "ray://elsewhere:10001"}, retry=False)
+            init_ray({"address": "ray://elsewhere:10001"}, attempts=1)
         assert len(started) == 1 and started[0].wait(10) == -9
     finally:
         for process in started:
