@@ -91,3 +91,16 @@ if [ "${UNROLL_STAGE:-0}" = 1 ]; then
     --save-every 150 --init-from general --out /tmp/heads/general-v4
   echo "to ship: replace $OUT/general with /tmp/heads/general-v4 (card name 'general'), then specpool zoo manifest"
 fi
+
+# 7. The domain heads shipped now fine-tune step 6's general head, each on fresh on-policy answers to
+#    its own domain's prompts (a 4-minute teacher limit: 336-432 prompts answered on the 2-core AMD
+#    EPYC), with the same unroll recipe, 200 steps at lr 3e-4; held-out acceptance picks the step.
+#    About 8 minutes a domain. Measured side by side in bench/results/white-box-v5 (README).
+if [ "${UNROLL_DOMAIN_STAGE:-0}" = 1 ]; then
+  for domain in translation summarization_qa code math chat; do
+    specpool zoo train $COMMON --domain "$domain" --data-root "$DATA" --max-prompts 600 --teacher-batch 48 \
+      --teacher-time-limit 4 --recipe unroll --unroll 2 --batch-size 8 --context-tokens 128 \
+      --steps 200 --lr 3e-4 --warmup 20 --save-every 25 --init-from general --out "/tmp/heads/$domain"
+  done
+  echo "to ship: copy each /tmp/heads/DOMAIN over $OUT/DOMAIN, then specpool zoo manifest"
+fi
