@@ -95,7 +95,7 @@ fi
 # 7. The domain heads shipped now fine-tune step 6's general head, each on fresh on-policy answers to
 #    its own domain's prompts (a 4-minute teacher limit: 336-432 prompts answered on the 2-core AMD
 #    EPYC), with the same unroll recipe, 200 steps at lr 3e-4; held-out acceptance picks the step.
-#    About 8 minutes a domain. Measured side by side in bench/results/white-box-v5 (README).
+#    About 8 minutes a domain. Measured side by side in bench/results/white-box-v5-policies and -heldout (README).
 if [ "${UNROLL_DOMAIN_STAGE:-0}" = 1 ]; then
   for domain in translation summarization_qa code math chat; do
     specpool zoo train $COMMON --domain "$domain" --data-root "$DATA" --max-prompts 600 --teacher-batch 48 \
