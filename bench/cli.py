@@ -42,7 +42,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     policies.add_argument("--policies", default=None,
                           help="comma-separated policies, e.g. metasd-ucb,ucb-be,thompson,oracle; switches to the policy benchmark")
     policies.add_argument("--pool", default=None,
-                          help="drafters the policies choose among (default: ngram and every shipped zoo drafter); "
+                          help="drafters the policies choose among (default: every shipped white-box head behind prompt lookup and ngram, for the default target); "
                                "'white-box' stands for every shipped head (eagle:NAME), 'mixed' for those, lookup:code and ngram")
     policies.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight (default {DEFAULT_BETA})")
     policies.add_argument("--probe-rounds", type=int, default=DEFAULT_PROBE_ROUNDS,

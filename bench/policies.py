@@ -71,7 +71,7 @@ def run_policy_bench(args: argparse.Namespace, settings) -> int:
     validate_draft_length(args.k)
     options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
     options.validate()
-    pool = parse_drafters(expand_pool(args.pool)) if args.pool else default_pool()
+    pool = parse_drafters(expand_pool(args.pool)) if args.pool else default_pool(args.target)
     args.pool_list = pool
     policies = parse_policies(args.policies, pool)
     prompts_path = Path(args.prompts).expanduser().resolve()

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default=None,
                      help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
                           "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, ucb-replay, random, fixed:NAME; append +warm for tenant warm start")
-    gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default: ngram and every shipped zoo drafter)")
+    gen.add_argument("--pool", default=None, help="comma-separated drafters the policy chooses among (default for the default target: every shipped white-box head behind prompt lookup and ngram; other targets: ngram and the zoo)")
     gen.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"UCB exploration weight β > 0 (default {DEFAULT_BETA})")
     gen.add_argument("--probe-rounds", type=int, default=DEFAULT_PROBE_ROUNDS,
                      help=f"ucb-replay: rounds in which every drafter is replayed on the target's tokens (default {DEFAULT_PROBE_ROUNDS})")
@@ -175,7 +175,7 @@ def cmd_generate(args: argparse.Namespace, settings) -> int:
     pool = None
     options = PolicyOptions(beta=args.beta, probe_rounds=args.probe_rounds)
     if args.policy is not None:
-        pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
+        pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool(args.target)
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
         policy = make_policy(args.policy, pool, options)  # validates name, beta, pool
         pool = [d for d in dict.fromkeys(parse_arm(a)[0] for a in policy.arms)]

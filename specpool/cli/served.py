@@ -54,7 +54,7 @@ def add_served_commands(commands) -> None:
                        help="with --tls-cert: require client certificates signed by this CA (mutual TLS)")
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
-    serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: ngram and every shipped zoo drafter)")
+    serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: every shipped white-box head behind prompt lookup, 'lookup:eagle:general' first, and ngram)")
     serve.add_argument("--policy", default=None, help=f"without --config: the default policy (default {DEFAULT_POLICY})")
     serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
     serve.add_argument("--feature-dtype", default=None, choices=("float16", "bfloat16"),

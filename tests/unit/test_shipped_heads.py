@@ -4,6 +4,7 @@ shipped zoo (black-box drafters + heads) fit their budgets, and every card names
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -68,3 +69,26 @@ def test_the_default_drafter_is_the_general_head_behind_lookup_on_its_own_target
     assert default_drafter("/models/some-other-target") == FALLBACK_DRAFTER == "ngram"
     assert known_spec(DEFAULT_DRAFTER) and known_spec(FALLBACK_DRAFTER)
     assert json.loads((eagle.SHIPPED_DIR / "general" / "config.json").read_text())["target"] == DEFAULT_TARGET
+
+
+def test_the_default_pool_is_every_shipped_head_behind_lookup_and_ngram_on_its_own_target_only() -> None:
+    """What a policy chooses among without --pool: for the heads' target, the general head behind
+    lookup first, then each other shipped head behind lookup, then ngram; any other target gets
+    ngram and the zoo (a head would be refused there). Every arm is a spec the registry knows."""
+    from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from specpool.drafters.registry import DrafterContext, known_spec
+    from specpool.drafters.zoo import shipped_names
+    from specpool.services.engine import LocalDrafters, default_pool
+
+    pool = default_pool(DEFAULT_TARGET)
+    heads = eagle.shipped_heads()
+    assert pool[0] == DEFAULT_DRAFTER and pool[-1] == "ngram"
+    assert sorted(pool[:-1]) == sorted(f"lookup:eagle:{name}" for name in heads)
+    assert len(pool) == len(set(pool)) == len(heads) + 1
+    assert all(known_spec(spec) for spec in pool)
+    assert default_pool() == pool  # the served default config serves DEFAULT_TARGET
+    other = default_pool("/models/some-other-target")
+    assert other == ["ngram"] + shipped_names() and not any("eagle" in spec for spec in other)
+    # The embedded engine's pool follows its own target.
+    assert LocalDrafters(DrafterContext(Path("/nonexistent"), "/models/some-other-target"), "fp").default_pool() == other
+    assert LocalDrafters(DrafterContext(Path("/nonexistent"), DEFAULT_TARGET), "fp").default_pool() == pool
