@@ -479,6 +479,22 @@ def test_serve_print_config(cli):
     assert [a["name"] for a in config["applications"]] == ["router", "target", "drafter-ngram", "drafter-code"]
 
 
+def test_serve_without_pool_serves_the_default_pool(cli):
+    """No --pool: a drafter application per arm of the default pool (the white-box heads behind
+    lookup and ngram, for the default target), and the router's pool is exactly those."""
+    from specpool.services.engine import default_pool
+    from specpool.services.serve_config import drafter_app_name
+    import yaml
+
+    code, out, err = cli("serve", "--print-config", target=None)
+    assert code == 0, err
+    apps = {a["name"]: a for a in yaml.safe_load(out)["applications"]}
+    pool = default_pool()
+    assert apps["router"]["args"]["drafter_apps"] == {name: drafter_app_name(name) for name in pool}
+    assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool] == pool
+    assert pool[0] == "lookup:eagle:general"
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["serve", "--pool", "ngram,bogus"], "unknown drafter 'bogus'"),
     (["serve", "--config", "/no/such/file.yaml"], "does not exist"),
