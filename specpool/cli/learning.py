@@ -142,8 +142,8 @@ def learning_config_from_args(args: argparse.Namespace, drafters: tuple[str, ...
 def add_learner_command(commands) -> argparse.ArgumentParser:
     learner = commands.add_parser(
         "learner", help="served mode: train drafters from the Redis feedback stream and publish versions",
-        description="Reads verification feedback from a Redis stream as a consumer-group member, trains the zoo "
-                    "drafters' per-tenant variants online, publishes versions to the model store (rolling back a "
+        description="Reads verification feedback from a Redis stream as a consumer-group member, trains the drafters' "
+                    "per-tenant variants online (zoo drafters and white-box heads, behind prompt lookup too), publishes versions to the model store (rolling back a "
                     "version whose held-out BD regresses) and acknowledges records once committed.")
     learner.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL", help="Redis URL of the feedback stream (default redis://127.0.0.1:6379/0)")
     learner.add_argument("--stream", default="specpool:feedback", help="stream key (default specpool:feedback)")
@@ -154,7 +154,8 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
     learner.add_argument("--max-variants", type=int, default=64, metavar="N",
                          help="tenant variants held in memory; the least recently used is committed and dropped (default 64)")
     learner.add_argument("--drafters", default=None,
-                         help="comma-separated drafters to train (default: every shipped zoo drafter); others are ignored")
+                         help="comma-separated drafters to train (default: the default pool's heads behind prompt lookup, "
+                              "lookup:eagle:general first, and every shipped zoo drafter); others are ignored")
     learner.add_argument("--once", action="store_true", help="process what the stream holds, commit, and exit")
     learner.add_argument("--max-records", type=int, default=None, metavar="N",
                          help="exit after N records (recovered ones included), committing first")
@@ -215,6 +216,18 @@ def _progress_bar(args: argparse.Namespace):
     return on_progress, bar.close
 
 
+def default_learned(target: str) -> tuple[str, ...]:
+    """What `specpool learner` trains without --drafters: the model drafters of the default pool
+    (for the heads' own target, every shipped head behind prompt lookup: what `specpool serve`
+    deploys), then every shipped zoo drafter (pools that name them). Prompt lookup and n-gram
+    have no weights."""
+    from specpool.drafters.zoo import shipped_names
+    from specpool.services.engine import default_pool
+
+    learned = [name for name in default_pool(target) if name.partition(":")[0] not in ("ngram", "none")]
+    return tuple(dict.fromkeys([*learned, *shipped_names()]))
+
+
 def run_learner_command(args: argparse.Namespace, settings) -> int:
     """``specpool learner``: the served learner process on the Redis feedback stream, until stopped
     (SIGTERM, Ctrl-C), or ``--once`` the stream is empty, or ``--max-records`` are processed."""
@@ -225,12 +238,14 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
     from specpool.learning.learner_process import registry_base_models, run_learner
     from specpool.target.models import DEFAULT_TARGET
 
-    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else tuple(shipped_names())
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters \
+        else default_learned(getattr(args, "target", DEFAULT_TARGET))
     check(bool(drafters), "no drafters to train: give --drafters")
     for name in drafters:
         if not known_spec(name):
             raise NotFound(f"unknown drafter {name!r} in --drafters; the learner trains zoo drafters "
-                           f"({', '.join(shipped_names())} or zoo:PATH) and white-box heads (eagle:NAME or eagle:PATH)")
+                           f"({', '.join(shipped_names())} or zoo:PATH) and white-box heads (eagle:NAME or eagle:PATH), "
+                           "either behind prompt lookup (lookup:eagle:general)")
     check(args.max_records is None or args.max_records >= 1, f"--max-records must be >= 1, got {args.max_records}")
     check(args.claim_idle_s >= 0, f"--claim-idle-s must be >= 0, got {args.claim_idle_s}")
     check(args.report_every_s > 0, f"--report-every-s must be > 0, got {args.report_every_s}")

@@ -13,6 +13,12 @@ Which drafters learn, and how, is one table (``LEARNABLE``, one ``LearnableKind`
 kind): zoo drafters (a ``ZooLM``: specpool/learning/online.py) and white-box heads (an
 ``EagleHead``: specpool/learning/online_heads.py). The learner loop, the embedded wiring and the
 served drafter replicas look a drafter or network up there, never by its kind's name.
+
+Prompt lookup in front of a learnable drafter (``lookup:eagle:general``, the default drafter;
+``lookup:code``) learns too: what learns is the drafter behind the lookup (``behind_lookup``),
+and a version is that drafter's new network behind a lookup of its own. The lookup itself has no
+weights. Its rounds still teach the network: a record is the context, the target's answer and
+(white-box) the target's features, whoever proposed the draft.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from specpool.core.errors import InvalidArgument, ModelUnavailable
 from specpool.drafters.base import Drafter
 from specpool.drafters.eagle import EagleDrafter
 from specpool.drafters.eagle_model import EagleHead
+from specpool.drafters.lookup_first import LookupFirstDrafter
 from specpool.drafters.zoo import ZooDrafter
 from specpool.drafters.zoo_model import ZooLM
 from specpool.learning.evaluation import record_bd
@@ -82,9 +89,19 @@ LEARNABLE: tuple[LearnableKind, ...] = (
 )
 
 
+def behind_lookup(drafter):
+    """The drafter that drafts where prompt lookup finds nothing (``lookup:SPEC`` -> SPEC's
+    drafter); ``drafter`` itself when no lookup is in front of it."""
+    while isinstance(drafter, LookupFirstDrafter):
+        drafter = drafter.inner
+    return drafter
+
+
 def drafter_kind(drafter) -> LearnableKind | None:
-    """The kind that trains ``drafter`` (None: it does not learn online)."""
-    return next((k for k in LEARNABLE if isinstance(drafter, k.drafter) and isinstance(k.network_of(drafter), k.network)), None)
+    """The kind that trains ``drafter``, or the drafter behind its prompt lookup (None: it does
+    not learn online)."""
+    inner = behind_lookup(drafter)
+    return next((k for k in LEARNABLE if isinstance(inner, k.drafter) and isinstance(k.network_of(inner), k.network)), None)
 
 
 def network_kind(network) -> LearnableKind:
@@ -104,7 +121,7 @@ def learnable(drafter) -> bool:
 def network_of(drafter) -> nn.Module | None:
     """The network online learning trains in ``drafter`` (None: it does not learn)."""
     kind = drafter_kind(drafter)
-    return kind.network_of(drafter) if kind is not None else None
+    return kind.network_of(behind_lookup(drafter)) if kind is not None else None
 
 
 def version_drafter(base: Drafter, store: ModelStore, key: VariantKey, version: int) -> Drafter:
@@ -116,6 +133,14 @@ def version_drafter(base: Drafter, store: ModelStore, key: VariantKey, version: 
     if kind is None:
         raise InvalidArgument(f"drafter {key.drafter!r} does not learn online")
     tensors, metadata = store.load(key, version)
+    return _rebuilt(base, kind, tensors, metadata)
+
+
+def _rebuilt(base: Drafter, kind: LearnableKind, tensors: dict[str, torch.Tensor], metadata: dict) -> Drafter:
+    """``base`` with a version's network: the same lookup(s) in front, each a new one (a version
+    is a drafter of its own, sharing no per-session state with the others)."""
+    if isinstance(base, LookupFirstDrafter):
+        return LookupFirstDrafter(base.name, _rebuilt(base.inner, kind, tensors, metadata))
     return kind.rebuild(base, kind.served_network(kind.network_of(base), tensors, metadata))
 
 

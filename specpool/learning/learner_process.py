@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 
 from specpool.core.errors import InvalidArgument, StoreUnavailable
 from specpool.drafters.registry import DrafterContext, create_drafter
-from specpool.drafters.zoo_model import ZooLM
+from torch import nn
 from specpool.learning.feedback import FeedbackSource
-from specpool.learning.hot_swap import learnable
+from specpool.learning.hot_swap import network_of
 from specpool.learning.learner_loop import Learner
 from specpool.learning.learning_config import LearningConfig
 from specpool.learning.model_store import ModelStore
@@ -31,29 +31,28 @@ log = logging.getLogger("specpool.learner")
 PAUSE_BEFORE_ACK_ENV = "SPECPOOL_LEARNER_PAUSE_BEFORE_ACK_S"
 
 
-def registry_base_models(context: DrafterContext, allowed: Sequence[str]) -> Callable[[str], ZooLM | None]:
+def registry_base_models(context: DrafterContext, allowed: Sequence[str]) -> Callable[[str], nn.Module | None]:
     """Drafter name -> its shipped network, built once through the drafter registry.
 
     Only names in ``allowed`` are ever built: a record names its drafter, and a record must not
     make the learner load an arbitrary model (``hf:some/hub-model``)."""
     allowed_names = set(allowed)
-    built: dict[str, ZooLM | None] = {}
+    built: dict[str, nn.Module | None] = {}
 
-    def base(name: str) -> ZooLM | None:
+    def base(name: str) -> nn.Module | None:
         if name not in allowed_names:
             return None
         if name not in built:
-            drafter = create_drafter(name, context)
-            built[name] = drafter.model if learnable(drafter) else None
+            built[name] = network_of(create_drafter(name, context))
             if built[name] is None:
-                log.warning("learner: drafter %s is not a zoo drafter; its feedback is ignored", name)
+                log.warning("learner: drafter %s does not learn online; its feedback is ignored", name)
         return built[name]
 
     return base
 
 
 def run_learner(config: LearningConfig, source: FeedbackSource, store: ModelStore,
-                base_model: Callable[[str], ZooLM | None], consumer: str,
+                base_model: Callable[[str], nn.Module | None], consumer: str,
                 stop: threading.Event, report_every_s: float = 60.0, *, once: bool = False,
                 max_records: int | None = None, on_progress: Callable[[Learner], None] | None = None,
                 retry_after_s: float = 5.0) -> Learner:

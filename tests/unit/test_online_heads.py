@@ -283,3 +283,47 @@ def test_a_learned_head_is_hot_swapped_and_stays_lossless(home, model_dirs, head
         assert state.learner.steps == learner.variants[key].learner.steps > 0
     finally:
         learning.close()
+
+
+def test_a_head_behind_prompt_lookup_learns_and_its_versions_keep_the_lookup(home, model_dirs, head_dir, tmp_path, engine,
+                                                                             prompts):
+    """``lookup:eagle:...`` (the default drafter's shape) learns: the head behind the lookup is
+    trained on the rounds' records, a version is a new head behind a lookup of its own, served
+    lossless, and the served learner builds the head for such a name."""
+    from specpool.drafters.lookup_first import LookupFirstDrafter
+    from specpool.drafters.registry import DrafterContext
+    from specpool.learning.hot_swap import behind_lookup
+    from specpool.learning.learner_process import registry_base_models
+
+    spec = f"lookup:eagle:{head_dir}"
+    learning = learning_engine(home, model_dirs, tmp_path / "store", OnlineConfig(algorithm="ogd", lr=0.01), publish_every=8)
+    try:
+        base = learning.drafter(spec)
+        assert isinstance(base, LookupFirstDrafter) and learnable(base)
+        assert drafter_kind(base).learner is OnlineHeadLearner and network_of(base) is base.inner.head
+        for n, prompt in enumerate(prompts[12:18]):
+            want = engine.generate(prompt, GREEDY, None).token_ids
+            assert learning.generate(prompt, GREEDY, spec, k=4, tenant="a", session_id=f"p{n}").token_ids == want
+        learner = learning.learning.learner
+        assert learning.learning.stream.emitted > 0 and learning.learning.commit_now()
+        assert learner.counters["applied"] > 0 and learner.counters["rejected"] == 0, learner.counters
+        slot = learning.learning.slot("a", spec)
+        assert slot.version >= 1
+        _, drafter = slot.pin()
+        assert isinstance(drafter, LookupFirstDrafter) and drafter is not slot.base
+        assert drafter.lookup is not slot.base.lookup  # a version shares no per-session state
+        assert not torch.equal(behind_lookup(drafter).head.head_bias, slot.base.inner.head.head_bias)
+        for n, prompt in enumerate(prompts[18:21]):
+            result = learning.generate(prompt, GREEDY, spec, k=4, tenant="a", session_id=f"after{n}")
+            assert result.token_ids == engine.generate(prompt, GREEDY, None).token_ids
+        learning.learning.thread.stop()
+        key = VariantKey("a", spec)
+        again = version_drafter(slot.base, learning.learning.store, key, learning.learning.store.serving(key))
+        assert isinstance(again, LookupFirstDrafter) and isinstance(again.inner, EagleDrafter)
+        assert again.name == spec and again.feature_width == slot.base.feature_width
+    finally:
+        learning.close()
+    # The served learner (`specpool learner`) builds the head for a record naming the lookup-fronted spec.
+    base_model = registry_base_models(DrafterContext(home, str(model_dirs.target)), [spec])
+    assert isinstance(base_model(spec), type(network_of(base)))
+    assert base_model("ngram") is None  # not allowed: never built
