@@ -125,11 +125,13 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-Bench question file (JSON lines with category and turns)")
     parser.add_argument("--limit-per-category", type=int, default=1, help="first N prompts of each category (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    parser.add_argument("--pool", default="ngram,code,chat",
-                        help="drafters served and chosen among (default ngram,code,chat), any drafter specs (eagle:NAME too); "
-                             "'white-box' stands for every shipped head, 'mixed' for those, lookup:code and ngram; "
-                             "the same pool runs embedded")
-    parser.add_argument("--policy", default=DEFAULT_POLICY, help=f"drafter-choice policy, served and embedded (default {DEFAULT_POLICY})")
+    parser.add_argument("--pool", default=None,
+                        help="drafters served and chosen among, any drafter specs (eagle:NAME too); 'white-box' stands for "
+                             "every shipped head, 'mixed' for those, lookup:code and ngram; the same pool runs embedded "
+                             "(default: what `specpool serve` deploys, every shipped head behind prompt lookup and ngram)")
+    parser.add_argument("--policy", default=None,
+                        help=f"drafter-choice policy, served and embedded (default: as `specpool serve`, "
+                             f"fixed:lookup:eagle:general over the default pool, {DEFAULT_POLICY} over a --pool)")
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length (default {DEFAULT_K})")
     parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"concurrent sessions to measure (default {DEFAULT_CONCURRENCY})")
     parser.add_argument("--requests-per-level", type=int, default=0,
@@ -375,7 +377,14 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from specpool.services.serve_config import default_serve_config, plan_from_config
     from specpool.target.sampling import validate_draft_length
 
+    from specpool.services.engine import default_policy, default_pool
+
     questions = load_questions(Path(args.prompts), args.limit_per_category)
+    # Unset: the pool and policy `specpool serve` runs without flags (recorded as given, in the report's command).
+    if args.policy is None:
+        args.policy = default_policy(args.pool is not None)
+    if args.pool is None:
+        args.pool = ",".join(default_pool())
     pool = [p for p in expand_pool(args.pool).split(",") if p]  # passed on as given: served mode builds each spec
     check(bool(pool), "--pool is empty")
     make_policy(args.policy, pool, PolicyOptions())

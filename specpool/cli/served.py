@@ -55,7 +55,10 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
     serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: every shipped white-box head behind prompt lookup, 'lookup:eagle:general' first, and ngram)")
-    serve.add_argument("--policy", default=None, help=f"without --config: the default policy (default {DEFAULT_POLICY})")
+    serve.add_argument("--policy", default=None,
+                       help=f"without --config: the policy of a request that names none (default: without --pool, "
+                            f"fixed:lookup:eagle:general, the fastest measured, over a pool a request may choose from with "
+                            f"its own policy; with --pool, {DEFAULT_POLICY})")
     serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
     serve.add_argument("--feature-dtype", default=None, choices=("float16", "bfloat16"),
                        help="without --config: how the target's features travel to white-box drafters (eagle:...), "
@@ -125,12 +128,12 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
                 raise InvalidArgument(f"{flag} is for the default config; with --config, set it in {args.config}")
         config, source = load_serve_config(Path(args.config)), args.config
     else:
-        from specpool.services.engine import default_pool
+        from specpool.services.engine import default_policy, default_pool
 
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
         check(len(set(pool)) == len(pool), f"--pool names a drafter twice: {args.pool}")
-        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or DEFAULT_POLICY,
+        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or default_policy(args.pool is not None),
                                       k=args.k if args.k is not None else 5,
                                       feature_dtype=getattr(args, "feature_dtype", None) or "float16")
         source = "the default config"

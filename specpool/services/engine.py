@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_TENANT, FALLBACK_DRAFTER
+from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_POLICY, DEFAULT_TENANT, FALLBACK_DRAFTER
 from specpool.drafters.base import Drafter
 from specpool.drafters.eagle import shipped_heads
 from specpool.drafters.registry import DrafterContext, create_drafter
@@ -60,6 +60,20 @@ def default_drafter(target: str) -> str:
     """The fixed drafter of a request that names none: DEFAULT_DRAFTER for the target the shipped
     heads were trained on, FALLBACK_DRAFTER for any other (a head is refused by another target)."""
     return DEFAULT_DRAFTER if target == DEFAULT_TARGET and "general" in shipped_heads() else FALLBACK_DRAFTER
+
+
+def default_policy(pool_named: bool, target: str = DEFAULT_TARGET) -> str:
+    """The served router's policy when `specpool serve` (and `bench-served`) is given no --policy.
+
+    Over the default pool (no --pool): ``fixed:`` the default drafter, the configuration that
+    measured fastest, as `specpool generate` uses it. Side by side over that pool, `metasd-ucb`
+    ran behind it: 1.37x against 1.41x target-only on 24 dev prompts and 1.24x against 1.34x on
+    held-out ones (bench/results/white-box-v5-policies/, white-box-v5-heldout/), and served, one
+    session on 6 dev prompts, 20.7 against 21.8 tokens/s (bench/results/served-default-config/):
+    the shipped heads differ too little for the bandit's exploration to pay. A request may still
+    name `metasd-ucb` (or any policy) over the pool served. Over a pool the caller names: DEFAULT_POLICY.
+    """
+    return DEFAULT_POLICY if pool_named else f"fixed:{default_drafter(target)}"
 
 
 class LocalDrafters:

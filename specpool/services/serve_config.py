@@ -485,14 +485,19 @@ def drafter_app_name(drafter: str) -> str:
 
 
 def target_threads_for(cores: int) -> int:
-    """The target's torch threads in the default config: one core left to the rest.
+    """The target's torch threads in the default config: every core.
 
-    The router, the drafters (one thread each) and Serve's proxy run beside the target's forwards:
-    concurrent sessions draft while others verify, and every round passes through the router. On
-    a 2-core AMD EPYC (`bench-served`, 6 dev prompts), one session with one head: the verify
-    forward took 84 ms served at 1 thread against 99 ms at 2 (embedded, alone: 68-72 ms at 2).
+    The router, the drafters (one thread each) and Serve's proxy run beside the target's forwards,
+    so this once left them a core (cores - 1). With the white-box heads drafting (a few ms a round)
+    the target is the bottleneck, and a batched verify gains most from a second thread: on a 2-core
+    AMD EPYC a verify forward of 8 sessions' 6-token rounds over ~250 cached tokens took 267 ms at 1
+    thread against 170 ms at 2 (one session: 55 against 45 ms). `bench-served` with the default pool
+    and policy, 6 dev prompts, two runs each (bench/results/served-default-config/): 8 sessions 35.0
+    and 35.3 tokens/s at 2 threads against 28.0 and 30.3 at 1; one session 0.751 and 0.734 of
+    embedded against 0.748 and 0.762. (Before the heads, with one thread team per replica not yet
+    enforced, 1 thread measured faster: 84 against 99 ms a verify forward, one session.)
     """
-    return max(1, cores - 1)
+    return max(1, cores)
 
 
 def default_serve_config(

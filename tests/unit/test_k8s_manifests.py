@@ -675,22 +675,23 @@ def test_the_shipped_serve_config_is_a_valid_plan_with_feedback_and_the_store():
     router = RouterArgs.parse(plan.router.args)
     assert router.feedback is True, "the shipped config must send feedback to the learner"
     assert router.redis_url_env == "REDIS_URL"
-    zoo = set(shipped_zoo())
+    from specpool.cli.learning import default_learned
+    from specpool.services.engine import default_policy, default_pool
+
+    target = applications()["target"]["args"]["model"]
     drafters = {app.args["name"]: DrafterArgs.parse(app.args) for app in plan.apps if app.import_path.endswith(":build_drafter_app")}
-    assert zoo and zoo <= set(drafters), f"the learner trains {sorted(zoo)}; served: {sorted(drafters)}"
+    # The pool `specpool serve` deploys on one machine, with its default policy.
+    assert list(drafters) == default_pool(target) and router.policy == default_policy(False, target)
+    learned = set(default_learned(target))  # what the learner (k8s/learner.yaml: no --drafters) trains
+    assert "lookup:eagle:general" in learned
     for name, args in drafters.items():
-        expected = MODEL_STORE if name in zoo else None  # only zoo drafters learn (others would warn)
+        expected = MODEL_STORE if name in learned else None  # only what learns reads versions (others would warn)
         assert args.model_store == expected, f"drafter {name}: model_store {args.model_store!r}"
+    assert {name for name, args in drafters.items() if args.model_store} == set(drafters) - {"ngram"}
 
 
 # --- the learning loop ---------------------------------------------------------------------------
 MODEL_STORE = "/mnt/specpool/model-store"
-
-
-def shipped_zoo() -> list[str]:
-    from specpool.drafters.zoo import shipped_names
-
-    return list(shipped_names())
 
 
 def learner() -> dict:
@@ -742,7 +743,7 @@ def test_the_learner_reads_the_routers_stream_and_publishes_where_the_drafters_l
     assert args.redis == _expanded_env(_learner_container())["REDIS_URL"] == "redis://specpool:<REDIS_PASSWORD>@specpool-redis:6379/0"
     assert args.learn_store == MODEL_STORE
     assert args.target == applications()["target"]["args"]["model"]
-    assert args.drafters is None or set(args.drafters.split(",")) == set(shipped_zoo())
+    assert args.drafters is None, "the learner trains its default (specpool.cli.learning.default_learned): what is served"
     assert args.consumer and "$(" not in args.consumer, "a fixed consumer name: a restarted learner takes back its own pending records"
     assert args.no_progress, "no progress bar in a pod's log"
 

@@ -177,7 +177,9 @@ def test_the_kubernetes_serve_config_is_a_valid_plan():
     plan = plan_from_config(config, "k8s/rayservice.yaml")
     assert plan.apps[-1].name == "router"  # deployed last
     assert plan.grpc_port == 9000
-    assert set(RouterArgs.parse(plan.router.args).pool) == {"ngram", "code", "math", "translation", "summarization_qa", "chat", "general"}
+    from specpool.services.engine import default_pool
+
+    assert RouterArgs.parse(plan.router.args).pool == default_pool()  # what `specpool serve` deploys
 
 
 def test_the_default_config_serves_the_pool():
@@ -186,9 +188,9 @@ def test_the_default_config_serves_the_pool():
     assert [a.name for a in plan.apps] == ["target", "drafter-ngram", "drafter-code", "router"]
     assert plan.grpc_port == 50051 and serve_config.GRPC_SERVICER_FUNCTIONS[0] in plan.grpc_servicer_functions
     assert plan.cpus_wanted() == 1 + 2 + 0.5 + 1
-    # The target's forwards leave a core to the router and drafters (serve_config.target_threads_for).
-    assert TargetArgs.parse(plan.apps[0].args).threads == 1
-    assert [serve_config.target_threads_for(c) for c in (1, 2, 8)] == [1, 1, 7]
+    # The target's forwards use every core (serve_config.target_threads_for says why).
+    assert TargetArgs.parse(plan.apps[0].args).threads == 2
+    assert [serve_config.target_threads_for(c) for c in (1, 2, 8)] == [1, 2, 8]
     # The model applications' per-round calls are not access-logged; the router's requests are.
     assert {a.name: a.logging_config for a in plan.apps} == {
         "target": serve_config.MODEL_APP_LOGGING, "drafter-ngram": serve_config.MODEL_APP_LOGGING,
@@ -481,7 +483,8 @@ def test_serve_print_config(cli):
 
 def test_serve_without_pool_serves_the_default_pool(cli):
     """No --pool: a drafter application per arm of the default pool (the white-box heads behind
-    lookup and ngram, for the default target), and the router's pool is exactly those."""
+    lookup and ngram, for the default target), the router's pool exactly those, and its default
+    policy the default drafter fixed (engine.default_policy)."""
     from specpool.services.engine import default_pool
     from specpool.services.serve_config import drafter_app_name
     import yaml
@@ -493,6 +496,17 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     assert apps["router"]["args"]["drafter_apps"] == {name: drafter_app_name(name) for name in pool}
     assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool] == pool
     assert pool[0] == "lookup:eagle:general"
+    # A request that names no policy gets the fastest measured configuration; the pool is there for
+    # a request that names one. Over a pool given on the command line: the bandit.
+    assert apps["router"]["args"]["policy"] == "fixed:lookup:eagle:general"
+    code, out, err = cli("serve", "--print-config", "--pool", "lookup:eagle:code,ngram", target=None)
+    assert code == 0, err
+    (router,) = [a for a in yaml.safe_load(out)["applications"] if a["name"] == "router"]
+    assert router["args"]["policy"] == "metasd-ucb"
+    code, out, err = cli("serve", "--print-config", "--policy", "thompson", target=None)
+    assert code == 0, err
+    (router,) = [a for a in yaml.safe_load(out)["applications"] if a["name"] == "router"]
+    assert router["args"]["policy"] == "thompson"
 
 
 @pytest.mark.parametrize("args,fragment", [
