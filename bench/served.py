@@ -373,16 +373,15 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
 
     from specpool.router.policies import PolicyOptions, make_policy
     from specpool.services.client import SpecPoolClient
+    from specpool.services.engine import default_policy, default_pool
     from specpool.services.local_serve import start_local
     from specpool.services.serve_config import default_serve_config, plan_from_config
     from specpool.target.sampling import validate_draft_length
 
-    from specpool.services.engine import default_policy, default_pool
-
     questions = load_questions(Path(args.prompts), args.limit_per_category)
     # Unset: the pool and policy `specpool serve` runs without flags (recorded as given, in the report's command).
     if args.policy is None:
-        args.policy = default_policy(args.pool is not None)
+        args.policy = default_policy(pool_named=args.pool is not None)
     if args.pool is None:
         args.pool = ",".join(default_pool())
     pool = [p for p in expand_pool(args.pool).split(",") if p]  # passed on as given: served mode builds each spec

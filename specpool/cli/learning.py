@@ -143,8 +143,9 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
     learner = commands.add_parser(
         "learner", help="served mode: train drafters from the Redis feedback stream and publish versions",
         description="Reads verification feedback from a Redis stream as a consumer-group member, trains the drafters' "
-                    "per-tenant variants online (zoo drafters and white-box heads, behind prompt lookup too), publishes versions to the model store (rolling back a "
-                    "version whose held-out BD regresses) and acknowledges records once committed.")
+                    "per-tenant variants online (zoo drafters and white-box heads, behind prompt lookup too), publishes "
+                    "versions to the model store (rolling back a version whose held-out BD regresses) and acknowledges "
+                    "records once committed.")
     learner.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL", help="Redis URL of the feedback stream (default redis://127.0.0.1:6379/0)")
     learner.add_argument("--stream", default="specpool:feedback", help="stream key (default specpool:feedback)")
     learner.add_argument("--group", default="learners", help="consumer group (default learners)")

@@ -133,7 +133,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
         check(len(set(pool)) == len(pool), f"--pool names a drafter twice: {args.pool}")
-        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=args.policy or default_policy(args.pool is not None),
+        policy = args.policy or default_policy(pool_named=args.pool is not None)
+        config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=policy,
                                       k=args.k if args.k is not None else 5,
                                       feature_dtype=getattr(args, "feature_dtype", None) or "float16")
         source = "the default config"

@@ -120,8 +120,9 @@ def learnable(drafter) -> bool:
 
 def network_of(drafter) -> nn.Module | None:
     """The network online learning trains in ``drafter`` (None: it does not learn)."""
-    kind = drafter_kind(drafter)
-    return kind.network_of(behind_lookup(drafter)) if kind is not None else None
+    inner = behind_lookup(drafter)
+    kind = drafter_kind(inner)
+    return kind.network_of(inner) if kind is not None else None
 
 
 def version_drafter(base: Drafter, store: ModelStore, key: VariantKey, version: int) -> Drafter:

@@ -15,9 +15,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from torch import nn
+
 from specpool.core.errors import InvalidArgument, StoreUnavailable
 from specpool.drafters.registry import DrafterContext, create_drafter
-from torch import nn
 from specpool.learning.feedback import FeedbackSource
 from specpool.learning.hot_swap import network_of
 from specpool.learning.learner_loop import Learner

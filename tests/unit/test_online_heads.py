@@ -233,6 +233,18 @@ def learning_engine(home: Path, model_dirs, store: Path, online: OnlineConfig, *
     return EmbeddedEngine(EngineConfig(home=home, target=ModelConfig(str(model_dirs.target))), learning=config)
 
 
+def learn_while_generating(learning: EmbeddedEngine, engine: EmbeddedEngine, prompts: list[list[int]], spec: str):
+    """Tenant "a"'s greedy requests with ``spec`` while it learns, each equal to target-only, then a
+    commit; returns the learner (it applied records, rejected none) and the tenant's slot."""
+    for n, prompt in enumerate(prompts):
+        want = engine.generate(prompt, GREEDY, None).token_ids
+        assert learning.generate(prompt, GREEDY, spec, k=4, tenant="a", session_id=f"p{n}").token_ids == want
+    learner = learning.learning.learner
+    assert learning.learning.stream.emitted > 0 and learning.learning.commit_now()
+    assert learner.counters["applied"] > 0 and learner.counters["rejected"] == 0, learner.counters
+    return learner, learning.learning.slot("a", spec)
+
+
 @pytest.mark.parametrize("online", [OnlineConfig(algorithm="ogd", lr=0.01),
                                     OnlineConfig(algorithm="hedge", hedge_lrs=(0.003, 0.01), hedge_serve_min=0.0)],
                          ids=["ogd", "hedge"])
@@ -241,13 +253,7 @@ def test_a_learned_head_is_hot_swapped_and_stays_lossless(home, model_dirs, head
     learning = learning_engine(home, model_dirs, tmp_path / "store", online, publish_every=8)
     try:
         assert learnable(learning.drafter(spec)) and drafter_kind(learning.drafter(spec)).learner is OnlineHeadLearner
-        for n, prompt in enumerate(prompts[12:18]):
-            want = engine.generate(prompt, GREEDY, None).token_ids
-            assert learning.generate(prompt, GREEDY, spec, k=4, tenant="a", session_id=f"p{n}").token_ids == want
-        learner = learning.learning.learner
-        assert learning.learning.stream.emitted > 0 and learning.learning.commit_now()
-        assert learner.counters["applied"] > 0 and learner.counters["rejected"] == 0, learner.counters
-        slot = learning.learning.slot("a", spec)
+        learner, slot = learn_while_generating(learning, engine, prompts[12:18], spec)
         assert slot.version >= 1 and learner.counters["promoted"] >= 1
         _, drafter = slot.pin()
         assert isinstance(drafter, EagleDrafter) and drafter is not slot.base
@@ -301,13 +307,7 @@ def test_a_head_behind_prompt_lookup_learns_and_its_versions_keep_the_lookup(hom
         base = learning.drafter(spec)
         assert isinstance(base, LookupFirstDrafter) and learnable(base)
         assert drafter_kind(base).learner is OnlineHeadLearner and network_of(base) is base.inner.head
-        for n, prompt in enumerate(prompts[12:18]):
-            want = engine.generate(prompt, GREEDY, None).token_ids
-            assert learning.generate(prompt, GREEDY, spec, k=4, tenant="a", session_id=f"p{n}").token_ids == want
-        learner = learning.learning.learner
-        assert learning.learning.stream.emitted > 0 and learning.learning.commit_now()
-        assert learner.counters["applied"] > 0 and learner.counters["rejected"] == 0, learner.counters
-        slot = learning.learning.slot("a", spec)
+        learner, slot = learn_while_generating(learning, engine, prompts[12:18], spec)
         assert slot.version >= 1
         _, drafter = slot.pin()
         assert isinstance(drafter, LookupFirstDrafter) and drafter is not slot.base
