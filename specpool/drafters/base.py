@@ -76,7 +76,7 @@ class TreeDrafter(Protocol):
     verified in process without online-learning feedback (``speculative_generate``); a drafter
     with ``tree_nodes`` 0 drafts chains."""
 
-    tree_nodes: int  # most nodes per tree; 0: chains only
+    tree_nodes: int  # > 0: it drafts trees (at most this many nodes, for an EAGLE-2 tree); 0: chains only
 
     def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         """A tree of at most ``tree_nodes`` nodes, at most ``k`` deep, in parent-first order."""

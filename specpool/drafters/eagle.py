@@ -48,6 +48,11 @@ SHIPPED_DIR = Path(__file__).parent / "heads"
 MANIFEST = SHIPPED_DIR / "manifest.json"  # file hashes and reference acceptance (specpool zoo manifest)
 HEAD_KIND = "eagle"
 TREE_KIND = "eagle-tree"  # the same heads drafting trees (``EagleDrafter.propose_tree``)
+ALT_KIND = "eagle-alt"  # the same heads' chain plus runner-up leaves (``EagleDrafter.alternatives``)
+# ``eagle-alt``: the runner-up token is a leaf at the first this-many depths of the chain, where
+# the head gives it at least ALT_MIN_PROB. Measured in bench/results/white-box-alternatives.
+DEFAULT_ALTERNATIVES = 2
+DEFAULT_ALT_MIN_PROB = 0.15
 DEFAULT_TREE_NODES = 16
 DEFAULT_TREE_BEAM = 4
 DEFAULT_TREE_MIN_PROB = 0.0
@@ -137,7 +142,8 @@ class EagleDrafter:
 
     def __init__(self, name: str, head: EagleHead, metadata: dict, top_k: int = 16,
                  confidence_threshold: float = 0.3, cache_capacity: int = 64, tree_nodes: int = 0,
-                 tree_beam: int = DEFAULT_TREE_BEAM, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
+                 tree_beam: int = DEFAULT_TREE_BEAM, tree_min_prob: float = DEFAULT_TREE_MIN_PROB,
+                 alternatives: int = 0, alt_min_prob: float = DEFAULT_ALT_MIN_PROB):
         if top_k < 1:
             raise InvalidArgument(f"drafter top-k must be >= 1, got {top_k}")
         self.name = name
@@ -158,6 +164,19 @@ class EagleDrafter:
         self.tree_nodes = tree_nodes
         self.tree_beam = tree_beam
         self.tree_min_prob = tree_min_prob
+        if alternatives < 0 or not 0.0 <= alt_min_prob < 1.0:
+            raise InvalidArgument(f"runner-up leaves need a count >= 0 and a minimum probability in [0, 1); "
+                                  f"got {alternatives}, {alt_min_prob}")
+        # Runner-up leaves (``eagle-alt:NAME``): the tree is the chain ``propose`` drafts plus, at
+        # its first ``alternatives`` depths, the head's second choice as a leaf beside the chain's
+        # token. A leaf costs no head step (its logits are the chain's) and one verified position;
+        # where the head's first choice misses, the runner-up is the likeliest token to be right.
+        # EAGLE-2's tree (``tree_nodes``) costs a batched head step per level and up to 16 positions,
+        # too many for a CPU (bench/results/white-box-trees); this is the tree a CPU can afford.
+        self.alternatives = alternatives
+        self.alt_min_prob = alt_min_prob
+        if alternatives > 0:
+            self.tree_nodes = tree_nodes or 1  # the loop asks ``propose_tree`` of a drafter with nodes
         self.cost = CostMeter()
         self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
@@ -206,7 +225,10 @@ class EagleDrafter:
         return session, guess
 
     @torch.inference_mode()
-    def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+    def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams,
+               runners_up: list[tuple[int, float]] | None = None) -> Proposal:
+        """The chain. ``runners_up``, if given, gets (token, probability) of the head's second
+        choice at each of the first ``alternatives`` depths (greedy only)."""
         n = len(context_ids)
         started = time.perf_counter()
         caught_up = self._catch_up(session_id, context_ids) if k > 0 else None
@@ -220,6 +242,9 @@ class EagleDrafter:
             dist = proposal_dist(logits, params, self.top_k, self.output_ids)
             tokens.append(sample_draft(dist, params, n + i))
             q.append(dist)
+            if runners_up is not None and i < self.alternatives:
+                probs, ids = torch.softmax(logits.float(), dim=-1).topk(2)  # (2,), best first
+                runners_up.append((int(self.output_ids[int(ids[1])]), float(probs[1])))
             if i + 1 == k or confidence_stop(logits, i, k, self.confidence_threshold):
                 break
             step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self.head.device)  # (1, 1)
@@ -246,6 +271,8 @@ class EagleDrafter:
     def _draft_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         if not params.greedy:
             raise InvalidArgument("a draft tree is for greedy decoding; sampled rounds draft chains (propose)")
+        if self.alternatives > 0:
+            return self._draft_alternatives(session_id, context_ids, k, params)
         started = time.perf_counter()
         caught_up = self._catch_up(session_id, context_ids) if k > 0 and self.tree_nodes > 0 else None
         if caught_up is None:
@@ -292,6 +319,22 @@ class EagleDrafter:
         q = [SparseDist.one_hot(t) for t in tokens]
         return Proposal(tokens, q, time.perf_counter() - started, parents=parents)
 
+    def _draft_alternatives(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """The chain ``propose`` drafts, then the runner-up leaves (``alternatives``): nodes 0 .. m-1
+        are the chain (node i's parent is node i-1), then one leaf per depth whose runner-up has at
+        least ``alt_min_prob``, with the chain node's parent. The chain comes first, so it is the
+        tree's primary chain (specpool/target/tree.py) and the round's BD reward is the chain's."""
+        runners_up: list[tuple[int, float]] = []
+        chain = self._draft(session_id, context_ids, k, params, runners_up)
+        tokens = list(chain.tokens)
+        parents = [ROOT] + list(range(len(tokens) - 1)) if tokens else []
+        for depth, (token, prob) in enumerate(runners_up[: len(tokens)]):
+            if prob >= self.alt_min_prob:
+                tokens.append(token)
+                parents.append(ROOT if depth == 0 else depth - 1)
+        q = [SparseDist.one_hot(t) for t in tokens]
+        return Proposal(tokens, q, chain.forward_s, parents=tuple(parents))
+
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
         proposal = self._draft(session_id, context_ids, k, params)
@@ -327,6 +370,15 @@ def _make_eagle_tree(name: str, argument: str, context: DrafterContext) -> Eagle
     if not argument:
         raise InvalidArgument(f"eagle-tree needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context, tree_nodes=DEFAULT_TREE_NODES)
+
+
+@register_drafter(ALT_KIND)
+def _make_eagle_alt(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
+    """``eagle-alt:NAME``: the head of ``eagle:NAME`` drafting its chain plus runner-up leaves in
+    greedy rounds (``EagleDrafter.alternatives``; chains otherwise)."""
+    if not argument:
+        raise InvalidArgument(f"eagle-alt needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
+    return _head_drafter(name, argument, context, alternatives=DEFAULT_ALTERNATIVES)
 
 
 def _head_drafter(name: str, argument: str, context: DrafterContext, **options) -> EagleDrafter:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, WhiteBox, leading_matches
+from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, TreeDrafter, WhiteBox, leading_matches
 from specpool.drafters.ngram import NGramDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter, register_drafter
 from specpool.core.errors import InvalidArgument
@@ -34,17 +34,28 @@ class LookupFirstDrafter:
         self.tokenizer_fingerprint = inner.tokenizer_fingerprint
         # In front of a white-box head (``lookup:eagle:code``) it passes the target's features on.
         self.feature_width = inner.feature_width if isinstance(inner, WhiteBox) else 0
+        # In front of a tree drafter (``lookup:eagle-alt:code``) a round lookup does not answer is
+        # the inner drafter's tree (``propose_tree``); a lookup match stays a chain.
+        self.tree_nodes = inner.tree_nodes if isinstance(inner, TreeDrafter) else 0
         self.cost = CostMeter()
         self.lookup_rounds = 0  # raw counters: rounds answered by lookup, and by the inner drafter
         self.inner_rounds = 0
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        return self._propose(session_id, context_ids, k, params, self.inner.propose)
+
+    def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        """``specpool.drafters.base.TreeDrafter``: lookup's chain where it matches, else the inner
+        drafter's tree."""
+        return self._propose(session_id, context_ids, k, params, self.inner.propose_tree)  # type: ignore[attr-defined]
+
+    def _propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams, inner) -> Proposal:
         started = time.perf_counter()
         proposal = self.lookup.propose(session_id, context_ids, k, params)
         if proposal.tokens:
             self.lookup_rounds += 1
         else:
-            proposal = self.inner.propose(session_id, context_ids, k, params)
+            proposal = inner(session_id, context_ids, k, params)
             self.inner_rounds += 1
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal

@@ -85,7 +85,8 @@ LEARNABLE: tuple[LearnableKind, ...] = (
         EagleDrafter, EagleHead, lambda d: d.head, OnlineHeadLearner, build_served_head, head_record_bd, _check_head_record,
         lambda base, head: EagleDrafter(base.name, head, base.metadata, top_k=base.top_k,
                                         confidence_threshold=base.confidence_threshold, cache_capacity=base.cache_capacity,
-                                        tree_nodes=base.tree_nodes, tree_beam=base.tree_beam, tree_min_prob=base.tree_min_prob)),
+                                        tree_nodes=base.tree_nodes, tree_beam=base.tree_beam, tree_min_prob=base.tree_min_prob,
+                                        alternatives=base.alternatives, alt_min_prob=base.alt_min_prob)),
 )
 
 

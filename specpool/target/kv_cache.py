@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specpool.target.features import Features
-from specpool.target.tree import tree_attention_mask, tree_depths
+from specpool.target.tree import ROOT, tree_attention_mask, tree_depths
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -112,15 +112,20 @@ class PrefixCache:
 
     @torch.inference_mode()
     def tree_logits_and_hidden(self, context_ids: list[int], tree_tokens: list[int],
-                               parents: Sequence[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+                               parents: Sequence[int], pad_to: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
         """One forward over the context's uncached tail and a draft tree (specpool/target/tree.py).
         Returns logits (1 + N, V) after the last context token and after each node, ``keep`` (the
         cached prefix reused) and the final hidden states (len(context) - keep + N, d) of every
         position fed. The cache then holds the context and every node: ``keep_tree_path`` cuts it
-        to the accepted path."""
+        to the accepted path. ``pad_to``: feed at least that many positions (as ``logits``); the pads
+        are leaves under the root that no node sees, and ``keep_tree_path`` drops them."""
         keep = self.reuse(context_ids, 1)
         fed = context_ids[keep:]
         n = len(context_ids)
+        real = len(tree_tokens)
+        pads = max(0, pad_to - len(fed) - real)
+        tree_tokens = list(tree_tokens) + fed[-1:] * pads
+        parents = list(parents) + [ROOT] * pads
         depths = tree_depths(parents)
         positions = list(range(keep, n)) + [n - 1 + d for d in depths]
         device = self.model.device
@@ -129,16 +134,30 @@ class PrefixCache:
                          position_ids=torch.tensor([positions], dtype=torch.long, device=device),
                          attention_mask=mask, use_cache=True, logits_to_keep=len(tree_tokens) + 1,
                          output_hidden_states=True, **{self._kwarg: self.cache})
-        self.token_ids = list(context_ids) + list(tree_tokens)  # what the cache holds now, in feed order
-        return out.logits[0], keep, out.hidden_states[-1][0]
+        # What the cache holds now, in feed order, but for the pads after the nodes (never on a path).
+        self.token_ids = list(context_ids) + tree_tokens[:real]
+        return out.logits[0, : 1 + real], keep, out.hidden_states[-1][0, : len(fed) + real]
 
+    @torch.inference_mode()  # the cache's tensors are inference tensors: updated in place only in this mode
     def keep_tree_path(self, context_length: int, path: Sequence[int]) -> None:
-        """After ``tree_logits_and_hidden``: keep the context and the nodes of ``path``, in order."""
+        """After ``tree_logits_and_hidden``: keep the context and the nodes of ``path``, in order.
+        Node i sits at cache position context_length + i and path[j] >= j (parents come first), so
+        the path's keys and values move down into positions context_length + j in place, and the
+        cache is cut after them: the work is the path's, not the context's (a path that is the tree's
+        first nodes, the usual case of a chain with runner-up leaves, moves nothing)."""
         nodes = self.token_ids[context_length:]
-        index = torch.tensor(list(range(context_length)) + [context_length + i for i in path], device=self.model.device)
-        for layer_idx in range(len(self.cache.layers)):
-            keys, values = _layer_kv(self.cache, layer_idx)
-            _set_layer(self.cache, layer_idx, keys.index_select(2, index), values.index_select(2, index))
+        moves = [(context_length + j, context_length + i) for j, i in enumerate(path) if i != j]
+        if moves:
+            device = self.model.device
+            to = torch.tensor([d for d, _ in moves], device=device)
+            source = torch.tensor([s for _, s in moves], device=device)
+            for layer_idx in range(len(self.cache.layers)):
+                keys, values = _layer_kv(self.cache, layer_idx)  # (1, H, S, D); the right side is a copy
+                keys[:, :, to] = keys[:, :, source]
+                values[:, :, to] = values[:, :, source]
+        extra = self.cache.get_seq_length() - context_length - len(path)  # the other nodes and the pads
+        if extra > 0:
+            self.cache.crop(-extra)  # negative = remove that many from the end (v4 and v5)
         self.token_ids = self.token_ids[:context_length] + [nodes[i] for i in path]
 
 

@@ -265,8 +265,11 @@ class TargetVerifier:
         cache = self.caches.get(request.session_id)
         parents = request.tree_parents
         n = len(request.context_ids)
+        fed = len(request.context_ids) - cache.reusable(request.context_ids, 1) + len(parents)
+        # Padded as a chain of as many positions (``verify``); pads sit at depth 1, inside the window.
+        pad_to = forward_width(fed, self.forward_widths)
         started = time.perf_counter()
-        logits, keep, hidden = cache.tree_logits_and_hidden(request.context_ids, request.draft_tokens, parents)
+        logits, keep, hidden = cache.tree_logits_and_hidden(request.context_ids, request.draft_tokens, parents, pad_to)
         forward_s = time.perf_counter() - started
         greedy = logits.argmax(dim=-1).tolist()  # (1 + N,): after the root, then after each node
         path = greedy_tree_walk(greedy, request.draft_tokens, parents)

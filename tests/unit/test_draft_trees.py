@@ -374,3 +374,101 @@ def test_a_learned_version_of_a_tree_head_drafts_trees_too(head):
     base = drafter_of(head, tree_nodes=7, tree_beam=2, tree_min_prob=0.01)
     rebuilt = drafter_kind(base).rebuild(base, head)
     assert (rebuilt.tree_nodes, rebuilt.tree_beam, rebuilt.tree_min_prob) == (7, 2, 0.01)
+
+
+# -- runner-up leaves (eagle-alt) ---------------------------------------------------------------------
+
+
+def test_runner_up_leaves_are_the_heads_second_choice_beside_its_chain(head, target_lm, prompts):
+    model, _ = target_lm
+    drafter = drafter_of(head, alternatives=2, alt_min_prob=0.0, confidence_threshold=0.0)
+    strict = drafter_of(head, alternatives=2, alt_min_prob=0.99, confidence_threshold=0.0)
+    for s, sequence in enumerate(prompts[:5]):
+        context = sequence[:16]
+        for d in (drafter, strict):
+            tell(d, f"a{s}", model, context)
+        proposal = drafter.propose_tree(f"a{s}", context, 4, GREEDY)
+        chain = drafter.propose(f"a{s}", context, 4, GREEDY).tokens
+        assert len(chain) == 4 and len(proposal.tokens) == 4 + 2
+        check_tree(proposal.parents, len(proposal.tokens))
+        assert proposal.tokens[:4] == chain and proposal.parents[:4] == (ROOT, 0, 1, 2)
+        assert [proposal.tokens[i] for i in primary_chain(proposal.parents)] == chain
+        features = final_hidden(model, context)
+        for depth in range(2):  # leaf at depth d+1: the head's runner-up after chain[:d], beside chain[d]
+            leaf = 4 + depth
+            assert proposal.parents[leaf] == (ROOT if depth == 0 else depth - 1)
+            assert proposal.tokens[leaf] == reference_top(head, context, features, chain[:depth], 2)[1], (s, depth)
+        assert [int(q.token_ids[0]) for q in proposal.q] == proposal.tokens
+        # Below the minimum probability there are no leaves: the chain alone, as a tree.
+        alone = strict.propose_tree(f"a{s}", context, 4, GREEDY)
+        assert alone.tokens == chain and alone.parents == (ROOT, 0, 1, 2)
+        assert drafter.features_held(f"a{s}") == len(context) - 1
+
+
+def test_a_padded_tree_forward_equals_an_unpadded_one(target_lm, prompts):
+    model, tokenizer = target_lm
+    padded, plain = TargetVerifier(model, tokenizer, forward_widths=(8, 16)), TargetVerifier(model, tokenizer, forward_widths=())
+    rng = random.Random(3)
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(int(kw["input_ids"].shape[1])), with_kwargs=True)
+    for s, sequence in enumerate(prompts[:6]):
+        context = sequence[:14]
+        parents = random_tree(rng, rng.randrange(1, 6))
+        tree = [rng.randrange(4, 60) for _ in parents]
+        request = VerifyRequest(f"p{s}", context, tree, [SparseDist.one_hot(t) for t in tree], GREEDY,
+                                return_features=True, tree_parents=parents)
+        for verifier in (padded, plain):
+            verifier.verify(VerifyRequest(f"p{s}", context[:10], [], [], GREEDY))  # a cached prefix
+        widths.clear()
+        a, b = padded.verify(request), plain.verify(request)
+        assert widths == [8 if 4 + len(tree) <= 8 else 16, 4 + len(tree)]  # context tail + nodes, padded or not
+        assert (a.accepted, a.tokens, a.features.start) == (b.accepted, b.tokens, b.features.start)
+        torch.testing.assert_close(a.features.rows, b.features.rows, atol=1e-4, rtol=1e-4)
+        assert padded.caches.get(f"p{s}").token_ids == plain.caches.get(f"p{s}").token_ids
+        keys = [padded.caches.get(f"p{s}").cache.layers[0].keys, plain.caches.get(f"p{s}").cache.layers[0].keys]
+        assert keys[0].shape == keys[1].shape  # the pads left nothing in the cache
+        torch.testing.assert_close(keys[0], keys[1], atol=1e-4, rtol=1e-4)
+    hook.remove()
+
+
+def test_greedy_generation_with_runner_up_leaves_equals_target_only(head, head_dir, target_lm, prompts,  # noqa: F811
+                                                                    greedy_reference, home, model_dirs, engine):
+    from specpool.drafters.lookup_first import LookupFirstDrafter
+
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    leaves = 0
+    for i, sequence in enumerate(prompts[::3]):
+        prompt = sequence[:-24]
+        expected = greedy_reference(model, prompt, GREEDY.max_new_tokens)
+        for k in (1, 3, 5):
+            alt = drafter_of(head, alternatives=2, alt_min_prob=0.0)
+            rounds = []
+            result = generate(verifier, alt, prompt, k=k, session=f"a{i}-{k}", on_round=rounds.append)
+            assert result.token_ids == expected, (i, k)
+            leaves += sum(r.proposed > k for r in rounds)  # more tokens than a chain of k: leaves
+            behind = LookupFirstDrafter("lookup:alt", drafter_of(head, alternatives=2, alt_min_prob=0.0))
+            assert behind.tree_nodes > 0
+            assert generate(verifier, behind, prompt, k=k, session=f"l{i}-{k}").token_ids == expected, (i, k)
+    assert leaves > 0
+    context = DrafterContext(home, target=str(model_dirs.target))
+    spec = create_drafter(f"eagle-alt:{head_dir}", context)
+    assert spec.alternatives == 2 and spec.tree_nodes > 0
+    assert create_drafter(f"lookup:eagle-alt:{head_dir}", context).tree_nodes > 0
+    assert create_drafter(f"lookup:eagle:{head_dir}", context).tree_nodes == 0
+    with pytest.raises(InvalidArgument, match="eagle-alt needs a head"):
+        create_drafter("eagle-alt:", context)
+    with pytest.raises(InvalidArgument, match="runner-up leaves"):
+        drafter_of(head, alternatives=-1)
+    prompt = engine.encode_prompt("the cat sat on the mat the cat sat")
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+    want = engine.generate(prompt, params, None).token_ids
+    assert engine.generate(prompt, params, f"lookup:eagle-alt:{head_dir}", k=4).token_ids == want
+
+
+def test_a_learned_version_of_a_runner_up_head_keeps_its_leaves(head):
+    from specpool.learning.hot_swap import drafter_kind
+
+    base = drafter_of(head, alternatives=3, alt_min_prob=0.1)
+    rebuilt = drafter_kind(base).rebuild(base, head)
+    assert (rebuilt.alternatives, rebuilt.alt_min_prob, rebuilt.tree_nodes) == (3, 0.1, base.tree_nodes)
