@@ -403,7 +403,8 @@ def head_card(metadata: dict) -> str:
         "",
         "## Acceptance",
         "",
-        metadata.get("acceptance_row") or "Held-out acceptance above; the dev-prompt figures are in bench/results/white-box.",
+        metadata.get("acceptance_row") or ("Held-out acceptance above (prompts of its own corpora); on other prompts, "
+                                             "measure it: `specpool bench --drafters eagle:PATH,lookup:eagle:PATH`."),
         "",
     ]
     return "\n".join(lines)
