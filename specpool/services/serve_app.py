@@ -157,8 +157,23 @@ def _model_thread(threads: int, prefix: str) -> ThreadPoolExecutor:
     thread does it all), 99 ms once loading moved here; serve_config.target_threads_for did the rest.
     """
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix)
-    executor.submit(torch.set_num_threads, threads).result()
+    executor.submit(_latch_torch_threads, threads).result()
+    # Every other thread of the process gets one torch thread, so no stray op ever starts a second
+    # team. torch.set_num_threads also sets the count a thread adopts at its first parallel op, and
+    # the model thread's 2 made Serve's event-loop thread take 2 when it encoded a prefill's features
+    # (``convert.verify_result_to_proto``: over 56 rows at the default width a parallel copy): a
+    # second team, and every later forward ~1.5x slower (``python -m bench.omp_teams --stray-op``).
+    _latch_torch_threads(1)
     return executor
+
+
+def _latch_torch_threads(threads: int) -> int:
+    """Give the calling thread ``threads`` torch threads for good. A thread takes torch's process-
+    wide count at its first parallel op (``at::internal::lazy_init_num_threads``, which
+    ``torch.get_num_threads`` triggers), not later; ``torch.set_num_threads`` sets both that count
+    and the calling thread's, so set, then trigger."""
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _quick_thread_switches() -> None:

@@ -126,7 +126,16 @@ def test_drafter_args():
             DrafterArgs.parse({"name": "code", **bad})
 
 
-def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home, monkeypatch):
+@pytest.fixture
+def torch_threads_restored():
+    """serve_app._model_thread sets torch's process-wide thread count (and the calling thread's) to 1;
+    the tests after these keep this process's own."""
+    threads = torch.get_num_threads()
+    yield threads
+    torch.set_num_threads(threads)
+
+
+def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home, monkeypatch, torch_threads_restored):
     """Model loading too: a second thread running torch ops would hold a second OpenMP team
     (serve_app._model_thread). The target and a drafter are built the way Serve builds them."""
     import threading
@@ -138,7 +147,7 @@ def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home,
     for name in ("load_causal_lm", "create_drafter"):
         real = getattr(serve_app, name)
         monkeypatch.setattr(serve_app, name, lambda *a, _real=real, **kw: (loaded_on.append(threading.current_thread().name), _real(*a, **kw))[1])
-    threads = torch.get_num_threads()
+    threads = torch_threads_restored
     target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target), torch_threads=threads))
     drafter = serve_app.DrafterServer.func_or_class(DrafterArgs(name=f"hf:{model_dirs.noisy}", target=str(model_dirs.target)))
     assert [n.split("_")[0] for n in loaded_on] == ["target-model", "drafter-model"]
@@ -147,6 +156,35 @@ def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home,
     assert target.info["stop_token_ids"] and target.info["feature_width"] == target.verifier.feature_width
     target._model_thread.shutdown()
     drafter._model_thread.shutdown()
+
+
+def test_a_stray_torch_op_on_another_thread_of_a_replica_starts_no_second_team(torch_threads_restored):
+    """A thread takes torch's process-wide thread count at its first parallel op. The target's model
+    thread runs at 2, and Serve's event-loop thread encodes a prefill's features (a parallel copy):
+    at 2 threads too it would start a second OpenMP team, and every later forward slows
+    (``python -m bench.omp_teams --stray-op``). serve_app._model_thread leaves every thread but the
+    model thread at 1."""
+    import threading
+
+    from specpool.services import serve_app
+    from specpool.target.features import Features
+
+    model_thread = serve_app._model_thread(2, "target-model")
+    try:
+        assert model_thread.submit(torch.get_num_threads).result() == 2
+        seen = []
+
+        def event_loop_work():  # what TargetServer.Verify does on Serve's loop for a prefill of 300 rows
+            convert.features_to_proto(Features(0, torch.randn(300, 576)))
+            seen.append(torch.get_num_threads())
+
+        other = threading.Thread(target=event_loop_work)
+        other.start()
+        other.join()
+        assert seen == [1]
+        assert model_thread.submit(torch.get_num_threads).result() == 2  # the model thread keeps its team
+    finally:
+        model_thread.shutdown()
 
 
 def test_white_box_drafters_deploy_like_any_drafter_spec():
