@@ -33,6 +33,14 @@ class SessionVerifier(Verifier, Protocol):
     def release(self, session_id: str) -> bool | None: ...
 
 
+@runtime_checkable
+class FinishNoticed(Protocol):
+    """A verifier that wants to hear when a session's request has ended and its caches stay (the
+    target deployment's ``RemoteVerifier``: its verify batches stop waiting for that session)."""
+
+    def request_finished(self, session_id: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """What one round did; the raw material for metrics, rewards and reports."""

@@ -46,8 +46,8 @@ from specpool.drafters.base import Drafter, PerRequestVersions
 from specpool.drafters.registry import shared_sources
 from specpool.learning.feedback import FeedbackEmitter
 from specpool.router.bandit import BanditChooser
-from specpool.router.loop import (DrafterChooser, FixedChooser, GenerationResult, RoundFeedback, RoundRecord,
-                                  SessionVerifier, speculative_generate)
+from specpool.router.loop import (DrafterChooser, FinishNoticed, FixedChooser, GenerationResult, RoundFeedback,
+                                  RoundRecord, SessionVerifier, speculative_generate)
 from specpool.router.policies import PolicyOptions, make_policy, parse_arm
 from specpool.router.session_store import SessionKey, SessionStore
 from specpool.services.api import GenerationSpec, Stats
@@ -344,6 +344,8 @@ class Orchestrator:
                                 f"{outcome.stats.new_tokens} tokens; its caches were released")
             if not self.settings.keep_caches:
                 self.release(prepared)
+            elif isinstance(self.verifier, FinishNoticed):
+                self.verifier.request_finished(prepared.cache_id)
             return outcome
         except Cancelled:
             raise

@@ -48,6 +48,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -78,6 +79,9 @@ DEFAULT_DRAFTER_TIMEOUT_S = 2.0
 # replace a killed replica and load a zoo drafter on CPU; a probe of a drafter still down costs one
 # round at most ``drafter_timeout_s``, once per cooldown for the whole router.
 DEFAULT_COOLDOWN_S = 10.0
+# Deadline of the router's end-of-request notice to the target (``RemoteVerifier.request_finished``):
+# notices go out one at a time, and one to a replica being replaced must not hold the others back.
+NOTICE_TIMEOUT_S = 2.0
 
 
 class DeploymentCaller:
@@ -92,20 +96,22 @@ class DeploymentCaller:
         self.timeout_s = timeout_s  # a call's overall deadline, retries included
         self.direct = direct  # same-node direct routes per session (specpool/services/direct.py); None: Serve only
 
-    def call(self, method: str, message: Any, session_id: str = "") -> Any:
-        deadline = time.monotonic() + self.timeout_s
+    def call(self, method: str, message: Any, session_id: str = "", timeout_s: float | None = None) -> Any:
+        """``timeout_s``: this call's deadline instead of the caller's own."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         if self.direct is None or not session_id:
-            return self._through_serve(method, message, session_id, deadline)
-        response = self.direct.call(method, message, session_id, timeout_s=self.timeout_s)
+            return self._through_serve(method, message, session_id, deadline, timeout_s)
+        response = self.direct.call(method, message, session_id, timeout_s=timeout_s)
         if response is None:  # no route yet, or its replica is gone: Serve routes it, and its route is kept
-            response = self._through_serve(method, message, session_id, deadline)
+            response = self._through_serve(method, message, session_id, deadline, timeout_s)
             if method != "Release":
                 self.direct.learn(session_id, response)
-        if method == "Release":
+        if method == "Release" and not getattr(message, "keep_caches", False):
             self.direct.forget(session_id)
         return response
 
-    def _through_serve(self, method: str, message: Any, session_id: str, deadline: float) -> Any:
+    def _through_serve(self, method: str, message: Any, session_id: str, deadline: float, timeout_s: float) -> Any:
         retry_until = min(deadline, time.monotonic() + self.retry_s)
         delay = 0.05
         while True:
@@ -120,13 +126,13 @@ class DeploymentCaller:
                 if isinstance(cause, SpecpoolError):
                     raise cause from None
                 if isinstance(cause, TimeoutError):  # Ray's GetTimeoutError is one too
-                    raise DeadlineExceeded(f"{self.what} did not answer {method} within {self.timeout_s:g} s") from None
+                    raise DeadlineExceeded(f"{self.what} did not answer {method} within {timeout_s:g} s") from None
                 if not is_unavailable(exc):
                     raise
                 if time.monotonic() + delay > retry_until:
                     raise ModelUnavailable(
                         f"{self.what} is unavailable ({type(cause).__name__}); gave up after "
-                        f"{min(self.retry_s, self.timeout_s):g} s of retries"
+                        f"{min(self.retry_s, timeout_s):g} s of retries"
                     ) from None
                 time.sleep(delay)  # the controller is replacing the replica; the ring then moves the session
                 delay = min(1.0, delay * 2)
@@ -167,6 +173,8 @@ class RemoteVerifier:
     def __init__(self, caller: DeploymentCaller):
         self.caller = caller
         self.features_received = FeatureTraffic()  # from the target: (a + 1) rows a round
+        self._notices: ThreadPoolExecutor | None = None  # request_finished's sender, started on first use
+        self._notices_lock = threading.Lock()
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         response = self.caller.call("Verify", convert.verify_request_to_proto(request), request.session_id)
@@ -176,6 +184,22 @@ class RemoteVerifier:
 
     def release(self, session_id: str) -> bool:
         return bool(self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id).released)
+
+    def request_finished(self, session_id: str) -> None:
+        """Tell the target, without waiting, that the session's request has ended and its caches
+        stay (``Release`` with ``keep_caches``), so its next verify batch does not wait for this
+        session. Best effort: a lost notice costs the next request one batch timeout, nothing else."""
+        with self._notices_lock:
+            if self._notices is None:
+                self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-notices")
+        self._notices.submit(self._send_finished, session_id)
+
+    def _send_finished(self, session_id: str) -> None:
+        try:
+            self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id, keep_caches=True), session_id,
+                             timeout_s=NOTICE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a notice; the request it follows has already answered
+            logger.debug("end-of-request notice for session %s was not delivered", session_id, exc_info=True)
 
 
 class _Held:

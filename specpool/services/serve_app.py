@@ -249,8 +249,10 @@ class TargetServer:
         current one runs. Left alone, two sessions alternate forever in batches of one. So: (1)
         calls join the batch queue only while no forward is running (they wait at a gate), and (2)
         a batch waits, up to batch_wait_timeout_s, for a call from every session of the previous
-        batch and fires the moment they are all in. Sessions then stay in step; a session that
-        finished costs the others one timeout, once; a lone session never waits.
+        batch and fires the moment they are all in. Sessions then stay in step. A session whose
+        request has ended leaves that list by the router's notice (``Release`` with ``keep_caches``);
+        without it, the next request of a lone client waited one timeout (50 ms of its time to
+        first token), and a session that finished cost the others one timeout.
         """
         verify_request = convert.verify_request_from_proto(request)
         session = verify_request.session_id
@@ -284,7 +286,13 @@ class TargetServer:
         return list(self.verifier.verify_batch(requests))  # a failed request's entry is its SpecpoolError
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
+        """Frees a session's cache; with ``keep_caches``, only says that its request has ended.
+        Either way the next batch stops waiting for this session's call: a lone session's next
+        request (a new session id, or the same one later) would otherwise wait batch_wait_timeout_s
+        (50 ms) for a call that never comes, once per request."""
         self._expected.discard(request.session_id)  # no more rounds to wait for
+        if request.keep_caches:
+            return common_pb2.ReleaseResponse(released=False)
         loop = asyncio.get_running_loop()
         return common_pb2.ReleaseResponse(released=await loop.run_in_executor(self._model_thread, self._release, request.session_id))
 
@@ -303,8 +311,10 @@ class TargetServer:
         return await loop.run_in_executor(self._model_thread, lambda: sorted(self.verifier.caches.sessions()))
 
     async def Stats(self) -> dict:
-        """Batches run by size: {size: count}; calls that came over the direct route."""
-        return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls}
+        """Batches run by size: {size: count}; calls that came over the direct route; the sessions
+        the next batch would wait for (those of the last batch whose request has not ended)."""
+        return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls,
+                "waiting_for": sorted(self._expected)}
 
     async def Replica(self) -> dict:
         return _replica()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/common.proto\x12\x0bspecpool.v1\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x42\x08\n\x06_top_p\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\">\n\x0b\x44irectRoute\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\"`\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12(\n\x05\x64type\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*d\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT16\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/common.proto\x12\x0bspecpool.v1\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x42\x08\n\x06_top_p\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bkeep_caches\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\">\n\x0b\x44irectRoute\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\"`\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12(\n\x05\x64type\x18\x03 \x01(\x0e\x32\x19.specpool.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*d\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT16\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpool.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FEATUREDTYPE']._serialized_start=478
-  _globals['_FEATUREDTYPE']._serialized_end=578
+  _globals['_FEATUREDTYPE']._serialized_start=499
+  _globals['_FEATUREDTYPE']._serialized_end=599
   _globals['_SPARSEDISTRIBUTION']._serialized_start=41
   _globals['_SPARSEDISTRIBUTION']._serialized_end=95
   _globals['_SAMPLINGPARAMS']._serialized_start=97
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=195
   _globals['_CHATMESSAGE']._serialized_end=239
   _globals['_RELEASEREQUEST']._serialized_start=241
-  _globals['_RELEASEREQUEST']._serialized_end=277
-  _globals['_RELEASERESPONSE']._serialized_start=279
-  _globals['_RELEASERESPONSE']._serialized_end=314
-  _globals['_DIRECTROUTE']._serialized_start=316
-  _globals['_DIRECTROUTE']._serialized_end=378
-  _globals['_FEATURES']._serialized_start=380
-  _globals['_FEATURES']._serialized_end=476
+  _globals['_RELEASEREQUEST']._serialized_end=298
+  _globals['_RELEASERESPONSE']._serialized_start=300
+  _globals['_RELEASERESPONSE']._serialized_end=335
+  _globals['_DIRECTROUTE']._serialized_start=337
+  _globals['_DIRECTROUTE']._serialized_end=399
+  _globals['_FEATURES']._serialized_start=401
+  _globals['_FEATURES']._serialized_end=497
 # @@protoc_insertion_point(module_scope)

@@ -45,10 +45,12 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "keep_caches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    keep_caches: bool
+    def __init__(self, session_id: _Optional[str] = ..., keep_caches: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -185,18 +185,36 @@ def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, cl
     router_before = _call(served.handles.router, "Direct")
     target_before = _call(served.handles.target, "Stats")["direct_calls"]
     drafters_before = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values())
-    answer = client.generate(PROMPTS[3], max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex)
+    session = uuid.uuid4().hex
+    answer = client.generate(PROMPTS[3], max_new_tokens=MAX_NEW, session_id=session)
     assert answer.token_ids == reference(PROMPTS[3])
     rounds = answer.stats.rounds
+    # The end-of-request notice (Release with keep_caches) goes direct too, after the answer.
+    _wait(lambda: f"default/{session}" not in _call(served.handles.target, "Stats")["waiting_for"], timeout=10,
+          what="the end-of-request notice")
     target_direct = _call(served.handles.target, "Stats")["direct_calls"] - target_before
     drafters_direct = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values()) - drafters_before
-    router = _call(served.handles.router, "Direct")
-    # Every verify but the first goes direct; each drafter used is reached through Serve once.
-    assert target_direct == rounds - 1, (target_direct, rounds)
+    # Every verify but the first goes direct, and so does the notice; each drafter used is reached
+    # through Serve once.
+    assert target_direct == rounds, (target_direct, rounds)
     # (The last round may draft nothing: k capped to 0.)
     assert rounds - 2 - len(served.handles.drafters) <= drafters_direct <= rounds - 1, (drafters_direct, rounds)
-    assert router["calls"] - router_before["calls"] == target_direct + drafters_direct
+    router = _wait(lambda: (lambda r: r if r["calls"] - router_before["calls"] == target_direct + drafters_direct else None)(
+        _call(served.handles.router, "Direct")), timeout=10, what="the router's count of direct calls")
     assert router["fallbacks"] == router_before["fallbacks"]
+
+
+def test_the_target_stops_waiting_for_a_session_whose_request_ended(served, client, reference):
+    """A verify batch waits for a call from each session of the last one. After a request, the
+    router's end-of-request notice (Release with keep_caches) takes its session off that list, so
+    the next request (any session's) is not held a batch timeout; the session's cache stays."""
+    session = uuid.uuid4().hex
+    answer = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, session_id=session)
+    assert answer.token_ids == reference(PROMPTS[1])
+    scoped = f"default/{session}"
+    _wait(lambda: scoped not in _call(served.handles.target, "Stats")["waiting_for"], timeout=10,
+          what="the end-of-request notice to reach the target")
+    assert "target" in _holders(served, session)
 
 
 def test_ucb_replay_replays_the_other_drafter_over_the_wire(served, client, reference):

@@ -103,6 +103,19 @@ def test_a_sessions_later_calls_go_straight_to_its_replica(replica):
     assert serve.calls == 3
 
 
+def test_an_end_of_request_notice_keeps_the_sessions_route(replica):
+    """Release with keep_caches (the request ended, the caches stay) goes direct and keeps the route:
+    the session's next request still reaches its replica directly."""
+    serve = ServeStandIn(replica)
+    routes = DirectRoutes("drafter", NODE)
+    caller = DeploymentCaller(serve, "drafter 'x'", direct=routes)
+    caller.call("Propose", propose(), "s1")
+    caller.call("Release", common_pb2.ReleaseRequest(session_id="s1", keep_caches=True), "s1")
+    assert replica.released == ["s1"] and serve.calls == 1 and routes.route_of("s1") is not None
+    caller.call("Propose", propose(), "s1")
+    assert serve.calls == 1 and replica.endpoint.calls == 2
+
+
 def test_domain_errors_raise_as_the_replica_raised_them(replica):
     caller = DeploymentCaller(ServeStandIn(replica), "drafter 'x'", direct=DirectRoutes("drafter", NODE))
     caller.call("Propose", propose(), "s1")

@@ -95,6 +95,38 @@ def test_a_normal_finish_keeps_the_caches_for_the_next_request(parts):
     assert not any(d.released for d in drafters.values())
 
 
+class NoticedVerifier:
+    """The local verifier, plus the end-of-request notice a target deployment's RemoteVerifier takes."""
+
+    def __init__(self, inner: TargetVerifier):
+        self.inner = inner
+        self.finished: list[str] = []
+
+    def verify(self, request):
+        return self.inner.verify(request)
+
+    def release(self, session_id):
+        return self.inner.release(session_id)
+
+    def request_finished(self, session_id):
+        self.finished.append(session_id)
+
+
+def test_a_normal_finish_tells_the_target_the_request_ended_and_a_cancel_releases_instead(parts):
+    """With caches kept, the target hears that the session's request ended (its verify batches stop
+    waiting for that session); a cancelled request frees the caches instead."""
+    core, verifier, *_ = parts
+    noticed = NoticedVerifier(verifier)
+    core.verifier = noticed
+    core.run(core.prepare(spec(session_id="done", tenant="acme")))
+    assert noticed.finished == ["acme/done"]
+    assert cache_id("acme", "done") in verifier.caches.sessions()
+    stop = threading.Event()
+    with pytest.raises(Cancelled):
+        core.run(core.prepare(spec(session_id="gone")), lambda chunk: stop.set(), stop.is_set)
+    assert noticed.finished == ["acme/done"]  # no notice for a cancelled request: it was released
+
+
 def test_stop_string_ends_the_text_right_after_it(parts):
     core, *_ = parts
     full = core.run(core.prepare(spec(session_id="s3", max_new_tokens=24)))

@@ -148,7 +148,7 @@ class FakeDrafterDeployment:
         self.lose_before_call = lose_before_call  # fault injection: the replica forgets every session
         self.direct = direct
 
-    def call(self, method: str, message, session_id: str = ""):
+    def call(self, method: str, message, session_id: str = "", timeout_s: float | None = None):
         try:
             return self._call(method, message, session_id)
         except Exception as exc:
@@ -262,7 +262,7 @@ class FakeTargetDeployment:
     def __init__(self, verifier, dtype: str = "float16", strip_features: bool = False):
         self.verifier, self.dtype, self.strip_features = verifier, dtype, strip_features
 
-    def call(self, method: str, message, session_id: str = ""):
+    def call(self, method: str, message, session_id: str = "", timeout_s: float | None = None):
         if method == "Release":
             self.verifier.release(message.session_id)
             return common_pb2.ReleaseResponse(released=True)

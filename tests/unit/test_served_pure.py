@@ -158,6 +158,60 @@ def test_a_replica_does_all_its_torch_work_on_its_model_thread(model_dirs, home,
     drafter._model_thread.shutdown()
 
 
+def test_a_targets_batches_stop_waiting_for_a_session_whose_request_ended(model_dirs, home, monkeypatch,
+                                                                         torch_threads_restored):
+    """A verify batch waits (up to batch_wait_timeout_s) for a call from each session of the last one.
+    Release with keep_caches (the router's end-of-request notice) takes the session off that list
+    and keeps its cache; without it, a lone session's next request waited the timeout, once."""
+    import asyncio
+
+    from specpool.services import serve_app
+
+    monkeypatch.setenv("SPECPOOL_HOME", str(home))
+    target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target)))
+
+    async def scenario():
+        # What a batch of s1's verify leaves (@serve.batch runs only inside Serve: the integration
+        # test tests/integration/test_served.py goes through it).
+        request = VerifyRequest("s1", [1, 2, 3], [], [], SamplingParams(max_new_tokens=4))
+        target._model_thread.submit(target._run_batch, [request]).result()
+        target._expected = {"s1"}
+        assert (await target.Stats())["waiting_for"] == ["s1"]
+        kept = await target.Release(common_pb2.ReleaseRequest(session_id="s1", keep_caches=True))
+        assert not kept.released and (await target.Stats())["waiting_for"] == []
+        assert await target.Sessions() == ["s1"]  # the cache stays for the session's next request
+        assert (await target.Release(common_pb2.ReleaseRequest(session_id="s1"))).released
+        assert await target.Sessions() == []
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        target._model_thread.shutdown()
+
+
+def test_the_routers_end_of_request_notice_is_a_keep_caches_release_sent_without_waiting():
+    """RemoteVerifier.request_finished returns at once; its Release(keep_caches) follows on a thread
+    of its own, and a failure there is swallowed (a lost notice costs one batch timeout)."""
+    import threading
+
+    from specpool.services.remote import NOTICE_TIMEOUT_S, RemoteVerifier
+
+    sent, release = [], threading.Event()
+
+    class Caller:
+        def call(self, method, message, session_id="", timeout_s=None):
+            release.wait(5)
+            sent.append((method, message.session_id, message.keep_caches, session_id, timeout_s))
+            raise ModelUnavailable("the target is restarting")
+
+    verifier = RemoteVerifier(Caller())
+    verifier.request_finished("acme/s1")
+    assert sent == []  # not waited for
+    release.set()
+    verifier._notices.shutdown(wait=True)
+    assert sent == [("Release", "acme/s1", True, "acme/s1", NOTICE_TIMEOUT_S)]
+
+
 def test_a_stray_torch_op_on_another_thread_of_a_replica_starts_no_second_team(torch_threads_restored):
     """A thread takes torch's process-wide thread count at its first parallel op. The target's model
     thread runs at 2, and Serve's event-loop thread encodes a prefill's features (a parallel copy):
