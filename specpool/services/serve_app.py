@@ -475,6 +475,10 @@ class RouterServer:
 
     async def __init__(self, args: RouterArgs):
         _quick_thread_switches()  # request threads and Serve's loop hand over on every model call
+        # No model here, but torch work on each session's thread (decoding features): at Ray's
+        # OMP_NUM_THREADS (the replica's num_cpus) each such thread would start an OpenMP team of
+        # its own (see _model_thread); at 1, none does.
+        _latch_torch_threads(1)
         self.args = args
         self.store = RedisSessionStore(args.resolved_redis_url(), ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
         target = serve.get_deployment_handle("Target", app_name=args.target_app)

@@ -241,6 +241,47 @@ def test_a_stray_torch_op_on_another_thread_of_a_replica_starts_no_second_team(t
         model_thread.shutdown()
 
 
+def test_the_router_leaves_every_session_thread_at_one_torch_thread(torch_threads_restored, monkeypatch):
+    """The router has no model but decodes features on each session's thread; whatever torch's count
+    was before (Ray sets it from the replica's num_cpus), none of those threads starts a team."""
+    import asyncio
+    import gc
+    import threading
+    import warnings
+
+    from specpool.target.features import Features
+
+    from specpool.services import serve_app
+
+    torch.set_num_threads(2)  # as a router replica given num_cpus: 2 would start
+
+    class Stop(Exception):
+        pass
+
+    def stop_here(*args, **kwargs):
+        raise Stop  # the rest of the constructor needs Redis and Serve
+
+    monkeypatch.setattr(serve_app, "RedisSessionStore", stop_here)
+    router_class = serve_app.RouterServer.func_or_class
+    router = router_class.__new__(router_class)  # Serve awaits an async constructor the same way
+    with pytest.raises(Stop):
+        asyncio.run(router.__init__(RouterArgs.parse({"drafter_apps": {"code": "d"}})))
+    with warnings.catch_warnings():  # Serve's ingress wrapper has an async __del__, never awaited outside Serve
+        warnings.simplefilter("ignore", RuntimeWarning)
+        del router
+        gc.collect()
+    seen = []
+
+    def session_thread():  # what a session's thread does with a prefill's features
+        convert.features_from_proto(convert.features_to_proto(Features(0, torch.randn(300, 576))))
+        seen.append(torch.get_num_threads())
+
+    other = threading.Thread(target=session_thread)
+    other.start()
+    other.join()
+    assert seen == [1]
+
+
 def test_white_box_drafters_deploy_like_any_drafter_spec():
     """``specpool serve --pool eagle:PATH,lookup:eagle:PATH``: one drafter application each, named
     from the spec (a long head path still gives a valid, distinct application name)."""
