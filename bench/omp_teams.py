@@ -53,6 +53,22 @@ def median_forward_ms(model, cache, draft: int, forwards: int, vocab: int) -> fl
     return statistics.median(times) * 1000
 
 
+def model_with_cache(target: str, context: int):
+    """The target (float32, CPU) and a KV cache of ``context`` random positions, built on the calling thread."""
+    model, _ = load_causal_lm(ModelConfig(target, "cpu", dtype="float32"), settings_from_env().home)
+    with torch.no_grad():
+        cache = model(torch.randint(0, int(model.config.vocab_size), (1, context)), use_cache=True).past_key_values
+    return model, cache
+
+
+def write_results(results: dict, out: str, shown: dict) -> None:
+    """results.json in ``out``; ``shown`` printed."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(shown))
+
+
 def stray_op_blocks(latched: bool, threads: int, context: int, draft: int, forwards: int, target: str) -> dict:
     """One fresh process's medians: forwards on the model thread before and after another thread's
     one parallel op (see the module doc)."""
@@ -65,13 +81,7 @@ def stray_op_blocks(latched: bool, threads: int, context: int, draft: int, forwa
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         worker.submit(torch.set_num_threads, threads).result()
 
-    def load():
-        model, _ = load_causal_lm(ModelConfig(target, "cpu", dtype="float32"), settings_from_env().home)
-        with torch.no_grad():
-            cache = model(torch.randint(0, int(model.config.vocab_size), (1, context)), use_cache=True).past_key_values
-        return model, cache
-
-    model, cache = worker.submit(load).result()
+    model, cache = worker.submit(model_with_cache, target, context).result()
     vocab = int(model.config.vocab_size)
     before = worker.submit(median_forward_ms, model, cache, draft, forwards, vocab).result()
     encode_features(Features(0, torch.randn(300, int(model.config.hidden_size))))  # the stray op, on this thread
@@ -120,17 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stray_op:
         results = {"machine": machine_info("cpu"), "config": vars(args), **run_stray_op(args)}
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        print(json.dumps(results["medians"]))
+        write_results(results, args.out, results["medians"])
         return 0
 
     torch.set_num_threads(args.threads)
-    model, _ = load_causal_lm(ModelConfig(args.target, "cpu", dtype="float32"), settings_from_env().home)
+    model, cache = model_with_cache(args.target, args.context)
     vocab = int(model.config.vocab_size)
-    with torch.no_grad():
-        cache = model(torch.randint(0, vocab, (1, args.context)), use_cache=True).past_key_values
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
     worker.submit(torch.set_num_threads, args.threads).result()  # (sets no team up: no parallel op)
     blocks = []
@@ -141,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.shutdown()
     results = {"machine": machine_info("cpu"), "config": vars(args), "blocks": blocks,
                "one_team_ms": blocks[0]["ms"], "two_teams_median_ms": statistics.median(b["ms"] for b in blocks[1:])}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: results[k] for k in ("blocks", "one_team_ms", "two_teams_median_ms")}))
+    write_results(results, args.out, {k: results[k] for k in ("blocks", "one_team_ms", "two_teams_median_ms")})
     return 0
 
 

@@ -173,8 +173,7 @@ class RemoteVerifier:
     def __init__(self, caller: DeploymentCaller):
         self.caller = caller
         self.features_received = FeatureTraffic()  # from the target: (a + 1) rows a round
-        self._notices: ThreadPoolExecutor | None = None  # request_finished's sender, started on first use
-        self._notices_lock = threading.Lock()
+        self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-notices")  # its thread starts on first use
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         response = self.caller.call("Verify", convert.verify_request_to_proto(request), request.session_id)
@@ -189,9 +188,6 @@ class RemoteVerifier:
         """Tell the target, without waiting, that the session's request has ended and its caches
         stay (``Release`` with ``keep_caches``), so its next verify batch does not wait for this
         session. Best effort: a lost notice costs the next request one batch timeout, nothing else."""
-        with self._notices_lock:
-            if self._notices is None:
-                self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-notices")
         self._notices.submit(self._send_finished, session_id)
 
     def _send_finished(self, session_id: str) -> None:

@@ -287,9 +287,7 @@ class TargetServer:
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         """Frees a session's cache; with ``keep_caches``, only says that its request has ended.
-        Either way the next batch stops waiting for this session's call: a lone session's next
-        request (a new session id, or the same one later) would otherwise wait batch_wait_timeout_s
-        (50 ms) for a call that never comes, once per request."""
+        Either way the next batch stops waiting for this session's call (see ``Verify``)."""
         self._expected.discard(request.session_id)  # no more rounds to wait for
         if request.keep_caches:
             return common_pb2.ReleaseResponse(released=False)

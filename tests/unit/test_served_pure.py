@@ -18,6 +18,7 @@ from specpool.services import api, convert, serve_config
 from specpool.v1 import common_pb2, specpool_pb2
 from specpool.services.serve_config import DrafterArgs, RouterArgs, TargetArgs, default_serve_config, load_serve_config, plan_from_config
 from specpool.services.status import grpc_status, is_unavailable, unwrap
+from specpool.target.features import Features
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
@@ -221,7 +222,6 @@ def test_a_stray_torch_op_on_another_thread_of_a_replica_starts_no_second_team(t
     import threading
 
     from specpool.services import serve_app
-    from specpool.target.features import Features
 
     model_thread = serve_app._model_thread(2, "target-model")
     try:
@@ -248,8 +248,6 @@ def test_the_router_leaves_every_session_thread_at_one_torch_thread(torch_thread
     import gc
     import threading
     import warnings
-
-    from specpool.target.features import Features
 
     from specpool.services import serve_app
 
