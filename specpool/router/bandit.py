@@ -27,15 +27,21 @@ the target decides every token, so a request can always finish on the state it h
   any session starts. A write applies the queued rounds *in order to the stored state*, with the
   policy of the request that played each, so nothing a concurrent writer stored is overwritten.
 - Bounded: ``MAX_PENDING_SESSIONS`` sessions of ``MAX_PENDING_ROUNDS`` rounds; beyond, the oldest
-  are dropped (counted). A write lost with the connection during EXEC may have been applied: it
-  is retried, so such a round may count twice; bandit statistics tolerate that, a failed request
-  would not be.
+  are dropped (counted).
+- Exactly once: a write lost with the connection during EXEC may or may not have been applied,
+  and it is retried. Each queued round carries a number (increasing per ``PendingWrites``, which
+  has a random name), and the state records, under ``"written"``, the last number each of its
+  ``WRITERS_KEPT`` latest writers applied; a retry skips the rounds the state already holds. The
+  mark is in the same transaction as the rounds and the tenant's aggregate, so both count each
+  round once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
+import secrets
 import threading
 import time
 import weakref
@@ -54,10 +60,12 @@ MAX_PENDING_ROUNDS = 256  # rounds kept per such session (a few hundred bytes ea
 RETRY_AFTER_S = 0.5  # a failed write is tried again no sooner (a round is ~75 ms on CPU; a dead
 # Redis answers "connection refused" at once, but an unreachable one costs a connect timeout)
 FLUSH_SESSIONS = 16  # other sessions' queued rounds a starting request writes (bounds its delay)
+WRITERS_KEPT = 16  # writers (router processes) whose last written round a session's state remembers
 
 # The policy that played it, its warm-start prior (for a session the store had no state for), the
 # arm, what happened.
 _Round = tuple[Policy, "ArmStats | None", str, RoundRecord]
+_Queued = tuple[int, _Round]  # (the round's number within its PendingWrites, the round)
 
 
 class PendingWrites:
@@ -74,7 +82,9 @@ class PendingWrites:
         self.clock = clock
         self.counts = {"read_failed": 0, "write_failed": 0, "written": 0, "dropped": 0}
         self.on_event: Callable[[str], None] | None = None
-        self._queues: OrderedDict[SessionKey, list[_Round]] = OrderedDict()
+        self.writer = secrets.token_hex(6)  # this queue's name in the "written" marks of the states it writes
+        self._numbers = itertools.count(1)  # a session's rounds are queued, and so written, in this order
+        self._queues: OrderedDict[SessionKey, list[_Queued]] = OrderedDict()
         self._failed: set[SessionKey] = set()  # queues that met a failure: a later write is a recovery
         self._retry_at = 0.0  # no write attempt before this (after a failure)
         self._lock = threading.Lock()
@@ -95,9 +105,11 @@ class PendingWrites:
             return len(self._queues.get(key, ()))
 
     def add(self, key: SessionKey, entry: _Round) -> None:
-        self._put(key, [entry])
+        with self._lock:
+            number = next(self._numbers)
+        self._put(key, [(number, entry)])
 
-    def _put(self, key: SessionKey, entries: list[_Round], failed: bool = False) -> None:
+    def _put(self, key: SessionKey, entries: list[_Queued], failed: bool = False) -> None:
         """Queue ``entries`` before anything queued for the session since they were taken."""
         dropped = 0
         with self._lock:
@@ -132,13 +144,19 @@ class PendingWrites:
             return None
 
         def apply(state: dict | None) -> tuple[dict, ArmStats]:
+            marks = _written_marks(state)
+            todo = [(n, r) for n, r in entries if n > marks.get(self.writer, 0)]  # not in it yet
             increments: ArmStats = {}
-            for policy, prior, arm, record in entries:
+            for _, (policy, prior, arm, record) in todo:
                 state, inc = policy.update(policy.adopt(state, prior), arm, record)
                 for name, stats in inc.items():
                     total = increments.setdefault(name, {})
                     for stat, value in stats.items():
                         total[stat] = total.get(stat, 0.0) + value
+            if todo:  # this writer's mark moves to the end: the oldest writers' marks go first
+                marks.pop(self.writer, None)
+                marks[self.writer] = todo[-1][0]
+                state = {**state, "written": dict(list(marks.items())[-WRITERS_KEPT:])}  # type: ignore[dict-item]
             return state, increments  # type: ignore[return-value]
 
         try:
@@ -166,6 +184,15 @@ class PendingWrites:
         for key in keys:
             if self.write(store, key) is None and self.rounds(key):
                 return
+
+
+def _written_marks(state: dict | None) -> dict[str, int]:
+    """A state's "written" marks (writer -> the number of its last round applied), oldest writer
+    first; empty for a state without them or with malformed ones (they only prevent double counts)."""
+    marks = state.get("written") if isinstance(state, dict) else None
+    if not isinstance(marks, dict):
+        return {}
+    return {w: n for w, n in marks.items() if isinstance(w, str) and isinstance(n, int) and not isinstance(n, bool)}
 
 
 # One queue per store object, for every request of the process that uses that store.

@@ -278,6 +278,67 @@ def test_a_store_down_from_start_to_end_loses_no_round_and_fails_nothing():
     assert store.read(key)[0]["t"] == 3
 
 
+class CommitThenLoseStore(InMemorySessionStore):
+    """The real in-memory store whose next ``lose`` writes are applied and then reported lost, as
+    when Redis dies between running an EXEC and its reply reaching the router."""
+
+    def __init__(self):
+        super().__init__()
+        self.lose = 0
+
+    def transact(self, key, fn):
+        state = super().transact(key, fn)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailable("lost the connection to Redis at redis://test (Connection reset by peer); "
+                                   "the update may or may not have been applied")
+        return state
+
+
+def test_a_write_applied_but_reported_lost_is_not_counted_twice_when_retried():
+    store, pending = CommitThenLoseStore(), PendingWrites()
+    key = SessionKey("t", "s")
+    policy = make_policy("metasd-ucb", ["a", "b"])
+
+    def lose(i):
+        if i in (2, 5):
+            store.lose = 1  # this round's write lands, then is reported lost
+        pending._retry_at = 0.0  # no real pause in a unit test: every round retries
+    run_rounds(BanditChooser(policy, store, key, pending=pending), 8, lose)
+    state, tenant = store.read(key)
+    assert pending.counts["write_failed"] == 2 and pending.sessions() == 0
+    assert state["t"] == 8 and sum(st["n"] for st in state["arms"].values()) == 8  # every round, once
+    assert tenant["a"]["n"] + tenant["b"]["n"] == 8  # the tenant's aggregate too
+    assert state["written"] == {pending.writer: 8}
+
+
+def test_written_marks_keep_each_writers_rounds_apart_and_only_the_latest_writers():
+    from specpool.router.bandit import WRITERS_KEPT
+
+    store = InMemorySessionStore()
+    key = SessionKey("t", "s")
+    policy = make_policy("metasd-ucb", ["a"])
+    writers = [PendingWrites() for _ in range(WRITERS_KEPT + 2)]
+    for pending in writers:  # a router each: their round numbers overlap, their names do not
+        run_rounds(BanditChooser(policy, store, key, pending=pending), 2)
+    state = store.read(key)[0]
+    assert state["t"] == 2 * len(writers)
+    assert list(state["written"]) == [p.writer for p in writers[-WRITERS_KEPT:]]
+    assert set(state["written"].values()) == {2}
+
+
+@pytest.mark.parametrize("marks", [None, "x", [1, 2], {"w": "3"}, {"w": True}])
+def test_malformed_written_marks_are_ignored(marks):
+    store, pending = InMemorySessionStore(), PendingWrites()
+    key = SessionKey("t", "s")
+    policy = make_policy("metasd-ucb", ["a"])
+    run_rounds(BanditChooser(policy, store, key, pending=pending), 1)
+    store.transact(key, lambda state: ({**state, "written": marks}, {}))
+    run_rounds(BanditChooser(policy, store, key, pending=pending), 2)
+    state = store.read(key)[0]
+    assert state["t"] == 3 and state["written"] == {pending.writer: 3}
+
+
 def test_pending_writes_are_bounded():
     store, pending = SwitchedStore(), PendingWrites(max_sessions=2, max_rounds=3)
     store.down = True
