@@ -72,6 +72,9 @@ class SessionKey:
 @runtime_checkable
 class SessionStore(Protocol):
     describe: str  # where the state lives, for logs: "memory", "redis://host:6379/0" (no password)
+    # Whether a write costs a round trip worth taking off a round's path: the bandit then writes
+    # each round on a thread of its own (specpool/router/bandit.py). A store without it: False.
+    write_behind: bool
 
     def read(self, key: SessionKey) -> tuple[dict | None, ArmStats]:
         """One atomic snapshot: (the session's state, or None if absent/expired; the tenant's
@@ -129,6 +132,7 @@ class InMemorySessionStore:
     """
 
     describe = "memory"
+    write_behind = False  # a write is a dict update under a lock
 
     def __init__(self, ttl_s: float = 3600.0, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic):
         check(ttl_s > 0, f"session TTL must be positive, got {ttl_s}")
@@ -261,6 +265,7 @@ class RedisSessionStore:
             f"invalid namespace {_shown(namespace)}: use 1-64 characters from A-Z a-z 0-9 _ . : -",
         )
         self._redis = redis
+        self.write_behind = True  # a write is two round trips (WATCH+GET, MULTI..EXEC) to a server
         self.describe = redact_url(url)
         self.namespace = namespace
         self._ttl_ms = max(1, round(ttl_s * 1000))

@@ -242,3 +242,49 @@ def test_open_store_redis(raw: redis.Redis) -> None:
     store.close()
     with pytest.raises(StoreUnavailable):
         open_store("redis://127.0.0.1:1/0")
+
+
+class CommitThenLose(RedisSessionStore):
+    """Redis whose next ``lose`` writes run and are then reported lost (the reply never came)."""
+
+    lose = 0
+
+    def transact(self, key, fn):
+        state = super().transact(key, fn)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailable(f"lost the connection to Redis at {self.describe} (Connection reset by peer); "
+                                   "the update may or may not have been applied")
+        return state
+
+
+def test_the_bandit_writes_each_round_behind_and_once_even_when_a_reply_is_lost(namespace: str) -> None:
+    from specpool.router.bandit import BanditChooser, PendingWrites
+    from specpool.router.loop import RoundRecord
+    from specpool.router.policies import make_policy
+
+    store = CommitThenLose(URL, namespace=namespace)
+    assert store.write_behind
+    key = SessionKey("t", "s")
+    policy = make_policy("metasd-ucb", ["a", "b"])
+    try:
+        for request in range(2):
+            pending = PendingWrites()  # a router each
+            chooser = BanditChooser(policy, store, key, pending=pending)
+            for i in range(10):
+                choice = chooser.select()
+                if i == 4:
+                    store.lose = 1  # this round's write lands, then is reported lost, then retried
+                chooser.update(RoundRecord(choice.drafter, 4, 4, 2, 3, 0.5, 0.0, 0.0, 0.05))
+                if i == 4:
+                    chooser._writing.result()
+                    pending._retry_at = 0.0  # the next round's write retries at once
+            chooser.finish()
+            state, tenant = store.read(key)
+            assert pending.counts["write_failed"] == 1 and pending.sessions() == 0
+            assert state["t"] == 10 * (request + 1), state
+            assert sum(st["n"] for st in state["arms"].values()) == 10 * (request + 1)
+            assert tenant["a"]["n"] + tenant["b"]["n"] == 10 * (request + 1)
+            assert state["written"][pending.writer] == 10
+    finally:
+        store.close()

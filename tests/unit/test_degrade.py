@@ -17,6 +17,7 @@ of the tiny test model; the store is the real in-memory store behind a switch th
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -258,6 +259,29 @@ def test_an_outage_mid_request_is_written_back_when_the_store_returns():
     assert pending.counts["write_failed"] >= 1 and pending.counts["written"] == 1 and pending.sessions() == 0
 
 
+def test_rounds_queued_through_an_outage_are_stored_in_the_order_played():
+    def played(store, outage: bool) -> tuple[list[str], dict]:
+        key, pending = SessionKey("t", "s"), PendingWrites()
+        chooser = BanditChooser(make_policy("exp3", ["a", "b", "c"]), store, key, seed=3, pending=pending)
+
+        def during(i):
+            store.down = outage and 1 <= i < 9
+            pending._retry_at = 0.0
+        choices = []
+        for i in range(12):
+            drafter = chooser.select().drafter
+            choices.append(drafter)
+            during(i)
+            chooser.update(rec(drafter, accepted={"a": 1, "b": 3, "c": 2}[drafter], bd={"a": 0.3, "b": 0.8, "c": 0.5}[drafter]))
+        chooser.finish()
+        state = store.read(key)[0]
+        state.pop("written")
+        return choices, state
+
+    # Exp3's update depends on the state it is applied to: another order gives other weights.
+    assert played(SwitchedStore(), outage=True) == played(SwitchedStore(), outage=False)
+
+
 def test_a_store_down_from_start_to_end_loses_no_round_and_fails_nothing():
     store, pending = SwitchedStore(), PendingWrites()
     policy = make_policy("thompson", ["a", "b"])
@@ -337,6 +361,108 @@ def test_malformed_written_marks_are_ignored(marks):
     run_rounds(BanditChooser(policy, store, key, pending=pending), 2)
     state = store.read(key)[0]
     assert state["t"] == 3 and state["written"] == {pending.writer: 3}
+
+
+# -- written behind ------------------------------------------------------------------------------
+class GatedStore(InMemorySessionStore):
+    """The real in-memory store as a store written behind, whose writes (of session ``only``, if
+    set) wait for ``gate`` (a slow Redis); ``entered`` is set when such a write has started."""
+
+    write_behind = True
+
+    def __init__(self, only: SessionKey | None = None):
+        super().__init__()
+        self.only = only
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def transact(self, key, fn):
+        if self.only is None or key == self.only:
+            self.entered.set()
+            assert self.gate.wait(10), "the test never opened the gate"
+        return super().transact(key, fn)
+
+
+def test_written_behind_a_round_goes_on_during_its_write_and_finish_waits_for_every_round():
+    store, pending = GatedStore(), PendingWrites()
+    key = SessionKey("t", "s")
+    chooser = BanditChooser(make_policy("metasd-ucb", ["a", "b"]), store, key, pending=pending)
+    store.gate.clear()
+    first = chooser.select()
+    chooser.update(rec(first.drafter))  # returns with its write held at the gate
+    assert store.entered.wait(10) and store.read(key)[0] is None
+    for _ in range(3):  # chosen from the request's own state meanwhile
+        chooser.update(rec(chooser.select().drafter))
+    assert chooser._committed["t"] == 4 and store.read(key)[0] is None
+    store.gate.set()
+    chooser.finish()
+    state, tenant = store.read(key)
+    assert state["t"] == 4 and tenant["a"]["n"] + tenant["b"]["n"] == 4 and pending.sessions() == 0
+
+
+@pytest.mark.parametrize("spec", ["metasd-ucb", "thompson", "ucb-discounted", "exp3", "ucb-replay"])
+def test_written_behind_makes_the_choices_writing_in_the_round_makes(spec):
+    def played(store) -> tuple[list[str], dict]:
+        key = SessionKey("t", "s")
+        policy = make_policy(spec, ["a", "b", "c"])
+        choices = []
+        for _ in range(3):  # three requests of one session
+            chooser = BanditChooser(policy, store, key, seed=7, pending=PendingWrites())
+            for _ in range(12):
+                drafter = chooser.select().drafter
+                choices.append(drafter)
+                chooser.update(rec(drafter, accepted={"a": 1, "b": 3, "c": 2}[drafter], bd={"a": 0.3, "b": 0.8, "c": 0.5}[drafter]))
+            chooser.finish()
+        state = store.read(key)[0]
+        state.pop("written")  # the writers' random names
+        return choices, state
+
+    behind = GatedStore()
+    assert played(behind) == played(InMemorySessionStore())
+    assert behind.entered.is_set()
+
+
+def test_written_behind_an_outage_mid_request_is_written_back_when_the_store_returns():
+    class SwitchedBehind(SwitchedStore):
+        write_behind = True
+
+    store, pending = SwitchedBehind(), PendingWrites()
+    key = SessionKey("t", "s")
+    policy = make_policy("metasd-ucb", ["a", "b"])
+    chooser = BanditChooser(policy, store, key, pending=pending)
+
+    def outage(i):
+        if chooser._writing is not None:
+            chooser._writing.result()  # the last round's write is over before the switch moves
+        store.down = 2 <= i < 6
+        pending._retry_at = 0.0
+    run_rounds(chooser, 10, outage)
+    state, tenant = store.read(key)
+    assert state["t"] == 10 and tenant["a"]["n"] + tenant["b"]["n"] == 10
+    assert pending.counts["write_failed"] >= 1 and pending.counts["written"] == 1 and pending.sessions() == 0
+
+
+def test_one_write_per_session_at_a_time_and_others_do_not_wait_for_it():
+    key, other = SessionKey("t", "s"), SessionKey("t", "o")
+    store, pending = GatedStore(only=key), PendingWrites()
+    policy = make_policy("metasd-ucb", ["a"])
+    pending.add(key, (policy, None, "a", rec()))
+    store.gate.clear()
+    first = pending.write_behind(store, key)
+    assert store.entered.wait(10)
+    pending.add(key, (policy, None, "a", rec()))
+    pending.add(other, (policy, None, "a", rec()))
+    pending.write_others(store)  # writes the other session, leaves this one to its write in progress
+    assert store.read(other)[0]["t"] == 1 and pending.rounds(key) == 1
+    # The session's own second write waits for the first (its round must not be stored first).
+    second = threading.Thread(target=pending.write, args=(store, key))
+    second.start()
+    time.sleep(0.05)
+    assert second.is_alive() and pending.rounds(key) == 1
+    store.gate.set()
+    first.result(10)
+    second.join(10)
+    assert store.read(key)[0]["t"] == 2 and store.read(other)[0]["t"] == 1
 
 
 def test_pending_writes_are_bounded():
