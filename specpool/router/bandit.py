@@ -289,7 +289,7 @@ class BanditChooser:
         self._committed: dict | None = None  # the state after this request's last round (as stored, or own in an outage)
         self._selected_from: dict | None = None  # the state the pending choice was made from
         self._behind = bool(getattr(store, "write_behind", False))  # write each round off the round's path
-        self._writing: Future | None = None  # (written behind) this request's last write
+        self._writes: list[Future] = []  # (written behind) this request's writes not yet looked at, oldest first
 
     def _state(self, state: dict | None) -> dict:
         """The state as this policy reads it: a fresh one, or a stored one adopted (written
@@ -355,7 +355,7 @@ class BanditChooser:
                 base = self._state(stored) if stored is not None else self._state(self._selected_from)
                 self._committed = self.policy.update(base, arm, record)[0]
                 self.pending.add(self.key, (self.policy, self._prior, arm, record))
-                self._writing = self.pending.write_behind(self.store, self.key)
+                self._writes.append(self.pending.write_behind(self.store, self.key))
             else:
                 self.pending.add(self.key, (self.policy, self._prior, arm, record))
                 stored = self.pending.write(self.store, self.key)
@@ -372,22 +372,21 @@ class BanditChooser:
         self.overhead_s += time.perf_counter() - started
 
     def _written_state(self) -> dict | None:
-        """The state this request's last write stored, if that write is over and reached the store
-        (it includes the rounds before this one); None otherwise. Raises what the write raised
-        beyond an outage (a refusal, endless contention), as a write in the round would have."""
-        writing = self._writing
-        if writing is None or not writing.done():
-            return None
-        self._writing = None
-        return writing.result()
+        """The state this request's last write stored, if every write of it is over and the last
+        reached the store (it holds the rounds before this one); None otherwise. Raises what a write
+        raised beyond an outage (a refusal, endless contention), as a write in the round would have."""
+        stored = None
+        while self._writes and self._writes[0].done():
+            stored = self._writes.pop(0).result()
+        return None if self._writes else stored
 
     def finish(self) -> None:
-        """At the request's end: wait for a write still running, then try once more to write its
+        """At the request's end: wait for the writes still running, then try once more to write its
         rounds that a store outage held back (what still fails stays queued for the next
         request), so that the session's next request reads them. Never raises for the store."""
-        if self._writing is not None:
-            writing, self._writing = self._writing, None
-            writing.result()
+        writes, self._writes = self._writes, []
+        for write in writes:
+            write.result()
         if self.pending.rounds(self.key):
             stored = self.pending.write(self.store, self.key, now=True)
             if stored is not None:

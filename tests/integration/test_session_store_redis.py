@@ -277,7 +277,7 @@ def test_the_bandit_writes_each_round_behind_and_once_even_when_a_reply_is_lost(
                     store.lose = 1  # this round's write lands, then is reported lost, then retried
                 chooser.update(RoundRecord(choice.drafter, 4, 4, 2, 3, 0.5, 0.0, 0.0, 0.05))
                 if i == 4:
-                    chooser._writing.result()
+                    chooser._writes[-1].result()
                     pending._retry_at = 0.0  # the next round's write retries at once
             chooser.finish()
             state, tenant = store.read(key)

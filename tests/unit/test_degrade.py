@@ -432,14 +432,39 @@ def test_written_behind_an_outage_mid_request_is_written_back_when_the_store_ret
     chooser = BanditChooser(policy, store, key, pending=pending)
 
     def outage(i):
-        if chooser._writing is not None:
-            chooser._writing.result()  # the last round's write is over before the switch moves
+        for write in chooser._writes:
+            write.result()  # the last rounds' writes are over before the switch moves
         store.down = 2 <= i < 6
         pending._retry_at = 0.0
     run_rounds(chooser, 10, outage)
     state, tenant = store.read(key)
     assert state["t"] == 10 and tenant["a"]["n"] + tenant["b"]["n"] == 10
     assert pending.counts["write_failed"] >= 1 and pending.counts["written"] == 1 and pending.sessions() == 0
+
+
+def test_written_behind_a_refused_write_still_fails_the_request_even_when_later_writes_overtook_it():
+    from specpool.core.errors import SpecpoolError
+
+    class Refusing(GatedStore):
+        refuse = True
+
+        def transact(self, key, fn):
+            if self.refuse:
+                self.refuse = False
+                self.entered.set()
+                assert self.gate.wait(10)
+                raise SpecpoolError("NOPERM this user has no permissions to access the key")
+            return super().transact(key, fn)
+
+    store = Refusing()
+    chooser = BanditChooser(make_policy("metasd-ucb", ["a", "b"]), store, SessionKey("t", "s"), pending=PendingWrites())
+    store.gate.clear()
+    chooser.update(rec(chooser.select().drafter))  # its write is refused, once the gate opens
+    assert store.entered.wait(10)
+    chooser.update(rec(chooser.select().drafter))  # queued behind it
+    store.gate.set()
+    with pytest.raises(SpecpoolError, match="NOPERM"):
+        chooser.finish()
 
 
 def test_one_write_per_session_at_a_time_and_others_do_not_wait_for_it():
