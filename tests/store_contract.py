@@ -10,8 +10,23 @@ import threading
 
 import pytest
 
-from specpool.core.errors import SpecpoolError
+from specpool.core.errors import SpecpoolError, StoreUnavailable
 from specpool.router.session_store import SessionKey, SessionStore
+
+
+class LosesRepliesAfterCommit:
+    """Mixin over a real store: its next ``lose`` writes are applied and then reported lost, as when
+    Redis dies between running an EXEC and its reply reaching the router."""
+
+    lose = 0
+
+    def transact(self, key, fn):
+        state = super().transact(key, fn)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailable(f"lost the connection to Redis at {self.describe} (Connection reset by peer); "
+                                   "the update may or may not have been applied")
+        return state
 
 
 def counting_update(worker: str):

@@ -100,7 +100,7 @@ class PendingWrites:
         self._lock = threading.Lock()
         self._writing: set[SessionKey] = set()  # sessions with a write in progress
         self._written = threading.Condition(self._lock)  # notified when one ends
-        self._writer: ThreadPoolExecutor | None = None  # write_behind's thread
+        self._write_thread: ThreadPoolExecutor | None = None  # write_behind's (one thread)
 
     def count(self, kind: str, n: int = 1) -> None:
         with self._lock:
@@ -177,10 +177,10 @@ class PendingWrites:
         """``write`` on this queue's writer thread (started on first use); the future's result is
         ``write``'s. One thread: a process's writes to one store queue up behind each other."""
         with self._lock:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="bandit-writes")
-            writer = self._writer
-        return writer.submit(self.write, store, key)
+            if self._write_thread is None:
+                self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="bandit-writes")
+            thread = self._write_thread
+        return thread.submit(self.write, store, key)
 
     def _transact(self, store: SessionStore, key: SessionKey, entries: list[_Queued], recovered: bool) -> dict | None:
 

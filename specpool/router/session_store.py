@@ -247,6 +247,8 @@ class RedisSessionStore:
     ACL, ...) propagate as redis-py errors.
     """
 
+    write_behind = True  # a write is two round trips (WATCH+GET, MULTI..EXEC) to a server
+
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
@@ -265,7 +267,6 @@ class RedisSessionStore:
             f"invalid namespace {_shown(namespace)}: use 1-64 characters from A-Z a-z 0-9 _ . : -",
         )
         self._redis = redis
-        self.write_behind = True  # a write is two round trips (WATCH+GET, MULTI..EXEC) to a server
         self.describe = redact_url(url)
         self.namespace = namespace
         self._ttl_ms = max(1, round(ttl_s * 1000))

@@ -18,7 +18,7 @@ import redis
 from specpool.router import session_store
 from specpool.core.errors import SpecpoolError, StoreUnavailable
 from specpool.router.session_store import RedisSessionStore, SessionKey, SessionStore, open_store, tenant_key_pattern
-from store_contract import CONTRACT, assert_exact_counts, run_concurrent
+from store_contract import CONTRACT, LosesRepliesAfterCommit, assert_exact_counts, run_concurrent
 
 pytestmark = pytest.mark.integration
 
@@ -244,18 +244,8 @@ def test_open_store_redis(raw: redis.Redis) -> None:
         open_store("redis://127.0.0.1:1/0")
 
 
-class CommitThenLose(RedisSessionStore):
-    """Redis whose next ``lose`` writes run and are then reported lost (the reply never came)."""
-
-    lose = 0
-
-    def transact(self, key, fn):
-        state = super().transact(key, fn)
-        if self.lose:
-            self.lose -= 1
-            raise StoreUnavailable(f"lost the connection to Redis at {self.describe} (Connection reset by peer); "
-                                   "the update may or may not have been applied")
-        return state
+class CommitThenLose(LosesRepliesAfterCommit, RedisSessionStore):
+    """Redis, losing the replies of its next ``lose`` writes."""
 
 
 def test_the_bandit_writes_each_round_behind_and_once_even_when_a_reply_is_lost(namespace: str) -> None:

@@ -32,6 +32,7 @@ from specpool.services import convert
 from specpool.services.remote import DeploymentCaller, RemoteDrafter
 from specpool.target.sampling import SamplingParams
 from specpool.v1 import common_pb2
+from store_contract import LosesRepliesAfterCommit
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
@@ -302,21 +303,8 @@ def test_a_store_down_from_start_to_end_loses_no_round_and_fails_nothing():
     assert store.read(key)[0]["t"] == 3
 
 
-class CommitThenLoseStore(InMemorySessionStore):
-    """The real in-memory store whose next ``lose`` writes are applied and then reported lost, as
-    when Redis dies between running an EXEC and its reply reaching the router."""
-
-    def __init__(self):
-        super().__init__()
-        self.lose = 0
-
-    def transact(self, key, fn):
-        state = super().transact(key, fn)
-        if self.lose:
-            self.lose -= 1
-            raise StoreUnavailable("lost the connection to Redis at redis://test (Connection reset by peer); "
-                                   "the update may or may not have been applied")
-        return state
+class CommitThenLoseStore(LosesRepliesAfterCommit, InMemorySessionStore):
+    """The real in-memory store, losing the replies of its next ``lose`` writes."""
 
 
 def test_a_write_applied_but_reported_lost_is_not_counted_twice_when_retried():
