@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "fine-tune a broader drafter on a small domain")
     train.add_argument("--background", action="store_true", help="detach; log to OUT.log and return at once")
     train.add_argument("--target", default=None, help="target model (default: the embedded default)")
+    prompts = zoo_commands.add_parser(
+        "self-prompts", help="sample user requests from the target itself (Magpie): chat-like prompts for --data")
+    prompts.add_argument("--count", type=int, default=2000, help="distinct requests to write")
+    prompts.add_argument("--out", default=None, help="JSON lines file (default: $SPECPOOL_HOME/zoo/self-prompts.jsonl)")
+    prompts.add_argument("--seed", type=int, default=0)
+    prompts.add_argument("--batch-size", type=int, default=32, help="requests sampled per generate call")
+    prompts.add_argument("--max-new-tokens", type=int, default=64, help="longest request; longer ones are dropped")
+    prompts.add_argument("--temperature", type=float, default=1.0)
+    prompts.add_argument("--top-p", type=float, default=0.95)
+    prompts.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    prompts.add_argument("--target", default=None, help="target model (default: the embedded default)")
     zoo_commands.add_parser("manifest", help="hash the shipped drafters (specpool/drafters/zoo/) and record their reference acceptance")
     # The benchmarks' commands take their options from bench/ of the checkout (specpool/cli/bench_loader.py).
     add_bench_command(zoo_commands, "eval", command="zoo eval", help="cross-domain acceptance matrix of drafters x categories",
@@ -342,6 +353,26 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
     return 0
 
 
+def cmd_zoo_self_prompts(args: argparse.Namespace, settings) -> int:
+    """``specpool zoo self-prompts``: specpool/learning/self_prompts.py."""
+    from pathlib import Path
+
+    from specpool.learning.self_prompts import SelfPromptConfig, check_output, write_self_prompts
+    from specpool.target.models import DEFAULT_TARGET, ModelConfig, load_causal_lm
+
+    config = SelfPromptConfig(count=args.count, seed=args.seed, batch_size=args.batch_size,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    config.check()  # before the model loads
+    out = Path(args.out) if args.out else settings.home / "zoo" / "self-prompts.jsonl"
+    check_output(out)
+    model, tokenizer = load_causal_lm(ModelConfig(args.target or DEFAULT_TARGET, args.device, dtype="float32"), settings.home)
+    report = write_self_prompts(model, tokenizer, out, config)
+    print(f"{report['prompts']} self-written prompts in {out} ({report['dropped_unfinished']} unfinished and "
+          f"{report['dropped_duplicate']} repeated requests dropped this run); train on them with "
+          f"specpool zoo train --data {out} ...")
+    return 0
+
+
 def cmd_zoo_manifest(settings) -> int:
     import json
 
@@ -394,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_models(args, settings)
         if args.command == "zoo" and args.zoo_command == "train":
             return cmd_zoo_train(args, settings, argv)
+        if args.command == "zoo" and args.zoo_command == "self-prompts":
+            return cmd_zoo_self_prompts(args, settings)
         if args.command == "zoo" and args.zoo_command == "manifest":
             return cmd_zoo_manifest(settings)
         if args.command == "zoo" and args.zoo_command == "eval":
