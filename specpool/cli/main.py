@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup", type=int, default=50, help="warm-up steps")
     train.add_argument("--context-tokens", type=int, default=160, help="prompt tokens kept before each answer in training")
     train.add_argument("--save-every", type=int, default=100, help="checkpoint (and held-out check) period, in steps")
+    train.add_argument("--reduced-vocab", type=int, default=8192, metavar="N",
+                       help="tokens the drafter can propose (its output head); eagle --init-from keeps the source head's "
+                            "vocabulary and fills the rest from the new data")
     train.add_argument("--teacher-batch", type=int, default=32, help="prompts per batched teacher generate call")
     train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the teacher answers and the drafter trains")
     train.add_argument("--time-limit", type=float, default=0.0, metavar="MIN",
@@ -321,7 +324,7 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
         domain=args.domain, data=tuple(data), steps=args.steps, seed=args.seed,
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         lr=args.lr, warmup=args.warmup, train_context_tokens=args.context_tokens, save_every=args.save_every,
-        teacher_batch=args.teacher_batch, time_limit_s=max(args.time_limit, 0.0) * 60,
+        teacher_batch=args.teacher_batch, reduced_vocab=args.reduced_vocab, time_limit_s=max(args.time_limit, 0.0) * 60,
         teacher_time_limit_s=max(args.teacher_time_limit, 0.0) * 60, init_from=args.init_from,
     )
     if args.arch == "eagle":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -464,7 +465,13 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     embedding = target_state["model.embed_tokens.weight"].float()
     output = target_state["lm_head.weight"].float() if "lm_head.weight" in target_state else None
     head_config = head_config_for(target.config, config, options)
-    vocab_ids = build_vocab(sequences, head_config.reduced_vocab, embedding.shape[0], stop_ids)  # type: ignore[arg-type]
+    # A warm start keeps the vocabulary its head drafted with where the size leaves room: a head
+    # continued on new data (self-written chat prompts) must not lose the tokens of the data it
+    # learnt before; the slots beyond it go to the new data's most probable tokens.
+    kept = _head_vocabulary(options.init_from, home) if options.init_from else ()
+    if len(kept) > head_config.reduced_vocab:
+        kept = ()  # a smaller vocabulary than the source's: chosen by the new data alone
+    vocab_ids = build_vocab(sequences, head_config.reduced_vocab, embedding.shape[0], (*stop_ids, *kept))  # type: ignore[arg-type]
     head = EagleHead(head_config, embedding, vocab_ids, output)
     last = target.config.num_hidden_layers - 1
     init_from_target(head, target_state, last if options.init_layer < 0 else min(options.init_layer, last))
@@ -514,6 +521,17 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     }
     export_drafter(head, out, metadata, head_card(metadata))  # type: ignore[arg-type]
     return metadata
+
+
+def _head_vocabulary(spec: str, home: Path) -> tuple[int, ...]:
+    """The reduced vocabulary (full token ids) of a trained head, read from its weights file."""
+    from specpool.drafters.eagle import head_folder
+
+    weights = head_folder(spec.removeprefix(f"{HEAD_KIND}:")) / "model.safetensors"
+    if not weights.exists():
+        raise InvalidArgument(f"--init-from {spec!r} is neither a shipped head nor a trained head's folder")
+    with safe_open(str(weights), framework="pt") as handle:
+        return tuple(handle.get_tensor("vocab_ids").tolist())
 
 
 def _init_from_head(head: EagleHead, spec: str, home: Path, target_name: str) -> None:

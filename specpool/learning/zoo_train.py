@@ -642,7 +642,8 @@ def _check_train_config(config: TrainConfig) -> None:
     for flag, value in (("--steps", config.steps), ("--batch-size", config.batch_size),
                         ("--max-prompts", config.max_prompts), ("--max-new-tokens", config.max_new_tokens),
                         ("--warmup", config.warmup), ("--context-tokens", config.train_context_tokens),
-                        ("--save-every", config.save_every), ("--teacher-batch", config.teacher_batch)):
+                        ("--save-every", config.save_every), ("--teacher-batch", config.teacher_batch),
+                        ("--reduced-vocab", config.reduced_vocab)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
     if not config.lr > 0:

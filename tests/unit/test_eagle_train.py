@@ -363,3 +363,37 @@ def test_feature_fusion_bench_rows_are_the_final_then_the_chosen_layers(target_l
         torch.testing.assert_close(s.features.float(), want, atol=2e-3, rtol=2e-3)
         assert s.label_ids[:, 0].tolist() == s.tokens[P:].tolist()  # greedy: each answer token is the top-1
         assert final_only(s, d).features.shape == (L - 1 - fs, d)
+
+
+def test_a_warm_start_keeps_its_heads_vocabulary_and_fills_the_rest_from_the_new_data(runs, tmp_path, head_home,
+                                                                                        corpus, model_dirs):
+    """``--init-from``: a head continued on other data keeps every token it could propose (the
+    data it learnt before) where the size leaves room, and its biases for them."""
+    source = load_file(str(runs["eagle"].out / "model.safetensors"))
+    source_ids = set(source["vocab_ids"].tolist())  # 48 tokens
+    few = dict(max_prompts=6, steps=2, save_every=2, reduced_vocab=56)  # little new data: few tokens of its own
+    cold = tmp_path / "cold"
+    train_head(tiny_config(corpus, **few), OPTIONS, head_home, cold, resume=False, target_name=str(model_dirs.target))
+    cold_ids = set(load_file(str(cold / "model.safetensors"))["vocab_ids"].tolist())
+    assert not source_ids <= cold_ids  # the new data alone would drop some of the source's tokens
+    warm = tmp_path / "warm"
+    options = dataclasses.replace(OPTIONS, init_from=str(runs["eagle"].out))
+    metadata = train_head(tiny_config(corpus, **few, lr=1e-9), options, head_home, warm, resume=False,
+                          target_name=str(model_dirs.target))
+    weights = load_file(str(warm / "model.safetensors"))
+    warm_ids = weights["vocab_ids"].tolist()
+    assert len(warm_ids) == 56 and source_ids <= set(warm_ids) and metadata["model"]["reduced_vocab"] == 56
+    # The biases carry over for the shared tokens (lr ~ 0: the warm start itself).
+    position = {t: i for i, t in enumerate(source["vocab_ids"].tolist())}
+    carried = torch.stack([source["head_bias"][position[t]] for t in warm_ids if t in position])
+    shared = torch.stack([weights["head_bias"][i] for i, t in enumerate(warm_ids) if t in position])
+    assert torch.allclose(carried.float(), shared.float(), atol=1e-3)
+    # Smaller than the source's vocabulary: the new data chooses alone, as a cold run does.
+    small = tmp_path / "small"
+    train_head(tiny_config(corpus, **{**few, "reduced_vocab": 40}), options, head_home, small, resume=False,
+               target_name=str(model_dirs.target))
+    cold_small = tmp_path / "cold-small"
+    train_head(tiny_config(corpus, **{**few, "reduced_vocab": 40}), OPTIONS, head_home, cold_small, resume=False,
+               target_name=str(model_dirs.target))
+    assert torch.equal(load_file(str(small / "model.safetensors"))["vocab_ids"],
+                       load_file(str(cold_small / "model.safetensors"))["vocab_ids"])

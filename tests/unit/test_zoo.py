@@ -539,6 +539,8 @@ BAD_CLI = {
     "steps-0": (["--domain", "chat", "--data", "{corpus}", "--steps", "0", "--out", "{tmp}/out"], ["--steps must be >= 1"]),
     "steps-not-int": (["--domain", "chat", "--data", "{corpus}", "--steps", "many"], ["invalid int value: 'many'"]),
     "no-domain": (["--data", "{corpus}"], ["--domain"]),
+    "reduced-vocab-0": (["--domain", "chat", "--data", "{corpus}", "--reduced-vocab", "0", "--out", "{tmp}/out"],
+                        ["--reduced-vocab must be >= 1", "got 0"]),
 }
 BAD_CLI_SIZES = {
     "batch-size-0": (["--domain", "chat", "--data", "{corpus}", "--batch-size", "0", "--max-prompts", "4",
