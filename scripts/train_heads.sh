@@ -104,3 +104,21 @@ if [ "${UNROLL_DOMAIN_STAGE:-0}" = 1 ]; then
   done
   echo "to ship: copy each /tmp/heads/DOMAIN over $OUT/DOMAIN, then specpool zoo manifest"
 fi
+
+# 8. Self-written chat prompts (specpool zoo self-prompts, Magpie): the target samples 1,600 user
+#    requests right after its chat template's user-turn marker (21 minutes on the 2-core AMD EPYC) and
+#    answers them like any corpus prompt (18 minutes); the general head then continues on those answers
+#    together with step 6's 1,600 corpus answers (every answered prompt of both), its vocabulary widened
+#    to 12,288 tokens: the 8,192 it had plus the likeliest of the new answers'. Tried and NOT shipped:
+#    level with the shipped head on the dev and held-out prompts, slower per draft step
+#    (bench/results/white-box-self-prompts). Kept as the way to rerun it, e.g. with more requests.
+if [ "${SELF_PROMPTS_STAGE:-0}" = 1 ]; then
+  specpool zoo self-prompts --count 1600 --seed 0 --out /tmp/heads/self-chat.jsonl
+  specpool zoo train $COMMON --domain general --data /tmp/heads/self-chat.jsonl --max-prompts 1600 --teacher-batch 32 --teacher-only
+  specpool zoo train $COMMON --domain general --data-root "$DATA" --max-prompts 1600 --teacher-batch 32 --teacher-only
+  GENERAL=$(python -c "from specpool.learning.zoo_data import DEFAULT_RECIPES; print(' '.join('$DATA/' + p for p in DEFAULT_RECIPES['general']))")
+  specpool zoo train $COMMON --domain general --data /tmp/heads/self-chat.jsonl $GENERAL --max-prompts 100000 \
+    --teacher-time-limit 0.005 --recipe unroll --unroll 2 --batch-size 8 --context-tokens 128 --steps 900 --lr 3e-4 \
+    --warmup 20 --save-every 150 --init-from general --reduced-vocab 12288 --out /tmp/heads/general-v8
+  echo "compare /tmp/heads/general-v8 with the shipped head (specpool bench, side by side) before shipping it"
+fi

@@ -2,9 +2,10 @@
 
 The corpora in ``../shared/data`` hold code, math, translation, summarization/QA and a few
 hundred self-instruct tasks; nothing like the open questions users ask a chat assistant
-("What if the Beatles had never formed?"). A head trained on the corpora drafts 2.2-2.5 tokens a
+("What if the Beatles had never formed?"). A head trained on the corpora drafts 2.1-2.5 tokens a
 round on code, math and translation but 1.3-1.5 on chat and QA, and 14 % of the target's chat
-answer tokens fall outside its reduced vocabulary (bench/results/white-box-self-prompts).
+answer tokens fall outside its reduced vocabulary (bench/results/white-box-self-prompts;
+the same prompts measured there did not make a better head at this scale).
 
 An aligned chat model asked to continue its template right after the user-turn marker writes a
 plausible user request (Magpie: Xu et al. 2024, "Alignment Data Synthesis from Scratch by
