@@ -110,7 +110,7 @@ fi
 #    answers them like any corpus prompt (18 minutes); the general head then continues on those answers
 #    together with step 6's 1,600 corpus answers (every answered prompt of both), its vocabulary widened
 #    to 12,288 tokens: the 8,192 it had plus the likeliest of the new answers'. Tried and NOT shipped:
-#    level with the shipped head on the dev and held-out prompts, slower per draft step
+#    level with the shipped head on the dev and held-out prompts, with more draft time per proposed token
 #    (bench/results/white-box-self-prompts). Kept as the way to rerun it, e.g. with more requests.
 if [ "${SELF_PROMPTS_STAGE:-0}" = 1 ]; then
   specpool zoo self-prompts --count 1600 --seed 0 --out /tmp/heads/self-chat.jsonl
