@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -468,7 +467,8 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     # A warm start keeps the vocabulary its head drafted with where the size leaves room: a head
     # continued on new data (self-written chat prompts) must not lose the tokens of the data it
     # learnt before; the slots beyond it go to the new data's most probable tokens.
-    kept = _head_vocabulary(options.init_from, home) if options.init_from else ()
+    source = _source_head(options.init_from, home, target_name) if options.init_from else None
+    kept = tuple(source.vocab_ids.tolist()) if source is not None else ()
     if len(kept) > head_config.reduced_vocab:
         kept = ()  # a smaller vocabulary than the source's: chosen by the new data alone
     vocab_ids = build_vocab(sequences, head_config.reduced_vocab, embedding.shape[0], (*stop_ids, *kept))  # type: ignore[arg-type]
@@ -476,8 +476,9 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     last = target.config.num_hidden_layers - 1
     init_from_target(head, target_state, last if options.init_layer < 0 else min(options.init_layer, last))
     del target, target_state
-    if options.init_from:
-        _init_from_head(head, options.init_from, home, target_name)
+    if source is not None:
+        _init_from_head(head, source)
+        del source
     head.to(device)
     vocab_map = torch.full((embedding.shape[0],), -1, dtype=torch.long)
     vocab_map[head.vocab_ids.cpu()] = torch.arange(len(head.vocab_ids))
@@ -523,25 +524,18 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
     return metadata
 
 
-def _head_vocabulary(spec: str, home: Path) -> tuple[int, ...]:
-    """The reduced vocabulary (full token ids) of a trained head, read from its weights file."""
-    from specpool.drafters.eagle import head_folder
-
-    weights = head_folder(spec.removeprefix(f"{HEAD_KIND}:")) / "model.safetensors"
-    if not weights.exists():
-        raise InvalidArgument(f"--init-from {spec!r} is neither a shipped head nor a trained head's folder")
-    with safe_open(str(weights), framework="pt") as handle:
-        return tuple(handle.get_tensor("vocab_ids").tolist())
-
-
-def _init_from_head(head: EagleHead, spec: str, home: Path, target_name: str) -> None:
-    """Start from a trained head's weights (its vocabulary's biases where the vocabularies meet)."""
+def _source_head(spec: str, home: Path, target_name: str) -> EagleHead:
+    """The trained head ``--init-from`` names (a shipped head or a folder)."""
     from specpool.drafters.eagle import head_folder, load_eagle_head
 
     folder = head_folder(spec.removeprefix(f"{HEAD_KIND}:"))
     if not (folder / "config.json").exists():
         raise InvalidArgument(f"--init-from {spec!r} is neither a shipped head nor a trained head's folder")
-    source, _ = load_eagle_head(folder, home, target_name)
+    return load_eagle_head(folder, home, target_name)[0]
+
+
+def _init_from_head(head: EagleHead, source: EagleHead) -> None:
+    """Start from a trained head's weights (its vocabulary's biases where the vocabularies meet)."""
     state = {k: v for k, v in source.state_dict().items() if k not in ("vocab_ids", "head_bias")}
     head.load_state_dict(state, strict=False)
     with torch.no_grad():  # biases of shared vocabulary entries carry over

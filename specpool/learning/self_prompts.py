@@ -109,7 +109,8 @@ def write_self_prompts(model, tokenizer, out: Path, config: SelfPromptConfig, pr
     batch = max((r["batch"] for r in records), default=-1) + 1
     prefix, end_of_turn = user_turn_prefix(tokenizer)
     device = next(model.parameters()).device
-    inputs = torch.tensor([prefix], device=device)
+    inputs = torch.tensor([prefix], device=device).expand(config.batch_size, -1)  # (B, P): every row the prefix
+    mask = torch.ones_like(inputs)
     stops = sorted({end_of_turn, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     sampled = dropped_unfinished = dropped_duplicate = 0
@@ -118,24 +119,28 @@ def write_self_prompts(model, tokenizer, out: Path, config: SelfPromptConfig, pr
     with partial.open("a", encoding="utf-8") as handle:
         while len(records) < config.count:
             torch.manual_seed(config.seed * 1_000_003 + batch)
-            rows = model.generate(inputs.expand(config.batch_size, -1), attention_mask=torch.ones_like(inputs).expand(config.batch_size, -1),
-                                  do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=0,
-                                  max_new_tokens=config.max_new_tokens, eos_token_id=stops, pad_token_id=pad)
+            rows = model.generate(inputs, attention_mask=mask, do_sample=True, temperature=config.temperature,
+                                  top_p=config.top_p, top_k=0, max_new_tokens=config.max_new_tokens,
+                                  eos_token_id=stops, pad_token_id=pad)
+            sampled += len(rows)
             for row in rows[:, len(prefix):].tolist():
-                sampled += 1
-                ended = [i for i, t in enumerate(row) if t in stops]
-                if not ended:
+                end = next((i for i, t in enumerate(row) if t in stops), None)
+                if end is None:
                     dropped_unfinished += 1
                     continue
-                text = clean_request(tokenizer.decode(row[:ended[0]], skip_special_tokens=True))
-                if text is None or text in seen or len(records) >= config.count:
-                    dropped_duplicate += text is not None and text in seen
+                text = clean_request(tokenizer.decode(row[:end], skip_special_tokens=True))
+                if text is None:
+                    continue
+                if text in seen:
+                    dropped_duplicate += 1
                     continue
                 seen.add(text)
                 record = {"question_id": len(records) + 1, "category": "self", "turns": [text], "batch": batch}
                 records.append(record)
                 handle.write(json.dumps(record) + "\n")
                 bar.update(1)
+                if len(records) == config.count:
+                    break
             handle.flush()
             os.fsync(handle.fileno())
             batch += 1
