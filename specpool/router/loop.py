@@ -14,6 +14,7 @@ import torch
 
 from specpool.drafters.base import Drafter, Proposal, Replayable, TreeDrafter, WhiteBox, reads_features
 from specpool.core.errors import FailedPrecondition
+from specpool.router.hosted import DraftingVerifier, HostedDraft, is_hosted
 from specpool.target.features import FeatureGap, FeatureLog, Features
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
@@ -261,6 +262,10 @@ def speculative_generate(
     finish_reason = "length"
     white_box: list[WhiteBox] = [d for d in drafters.values() if reads_features(d)]  # type: ignore[misc]
     seen = _SeenFeatures() if white_box and feedback is not None else None
+    hosted = {name for name, drafter in drafters.items() if is_hosted(drafter)}
+    feed = tuple(sorted(name for name in hosted if drafters[name].white_box))  # type: ignore[attr-defined]
+    if hosted and not isinstance(verifier, DraftingVerifier):
+        raise FailedPrecondition(f"drafters {', '.join(sorted(hosted))} are hosted by the target, but this verifier drafts for none")
     # Draft trees (specpool/target/tree.py): greedy rounds, a verifier that verifies them (in process,
     # or a target deployment), and no online-learning feedback (its records describe a chain and the
     # target's top-K of it).
@@ -272,22 +277,32 @@ def speculative_generate(
         round_started = time.perf_counter()
         remaining = params.max_new_tokens - len(generated)
         context = prompt_ids + generated
-        choice = Choice(None) if white_box and not rounds else chooser.select()
+        choice = Choice(None) if (white_box or feed) and not rounds else chooser.select()
         name = choice.drafter
         k_round = min(choice.k or k, remaining - 1)  # accepted + 1 never overshoots max_new_tokens
         proposal = _EMPTY
+        by_target = HostedDraft(None, feed=feed) if feed else None  # hosted heads read every round
         if name is not None and k_round > 0:
             drafter = drafters[name]
-            if trees and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0:
+            tree = trees and getattr(drafter, "tree_nodes", 0) > 0
+            if name in hosted:
+                by_target = HostedDraft(name, k_round, tree, feed)
+            elif tree and isinstance(drafter, TreeDrafter):
                 proposal = drafter.propose_tree(session_id, context, k_round, params)
             else:
                 proposal = drafter.propose(session_id, context, k_round, params)
         drafted = time.perf_counter()
-        top_k = return_top_k if proposal.tokens else 0
+        top_k = return_top_k if proposal.tokens or (by_target and by_target.drafter) else 0
         request = VerifyRequest(session_id, context, proposal.tokens, proposal.q, params,
                                 return_top_k=top_k, return_features=bool(white_box),
                                 tree_parents=proposal.parents if proposal.tokens else None)
-        result = verifier.verify(request)
+        if by_target is not None:
+            drafted_by_target, result = verifier.draft_and_verify(request, by_target)  # type: ignore[union-attr]
+            if by_target.drafter is not None:  # otherwise the draft is the loop's own (its source, its timing)
+                proposal = drafted_by_target
+                drafters[name].cost.record(proposal.forward_s, len(proposal.tokens))
+        else:
+            result = verifier.verify(request)
         verified = time.perf_counter()
         if white_box:
             result = _hand_features(white_box, verifier, request, result)

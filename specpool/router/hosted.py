@@ -1,0 +1,205 @@
+"""Drafters the target hosts: a round drafted and verified in one call.
+
+A white-box head reads the target's features, and the target has them the moment it verifies. Served
+with a drafter deployment of its own, each round crosses two replicas: the router asks the drafter
+(sending it the features the target returned last round), then asks the target to verify. vLLM,
+SGLang and TensorRT-LLM instead run the EAGLE head in the target's own worker. ``HostingVerifier``
+does that here: it wraps the target's ``TargetVerifier`` with the drafters it hosts, and a round
+names the arm to draft (``HostedDraft``); it drafts, verifies the draft in the same forward batch
+as every other session's round, and hands the round's features to its hosted heads in process
+(nothing on the wire). The router sees such an arm as a ``HostedArm``, a stand-in that says who
+drafts; ``speculative_generate`` then calls ``DraftingVerifier.draft_and_verify`` instead of the
+drafter and the verifier in turn. Same drafter, same context, same seeded draws: the same proposals
+and tokens as a drafter called on its own (``tests/unit/test_hosted.py``).
+
+Hosted arms serve their shipped weights: online learning (versions per request, feedback records
+with features) and replays (side observations) stay with drafter deployments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from specpool.core.errors import FailedPrecondition, NotFound, SpecpoolError
+from specpool.drafters.base import CostMeter, Drafter, Proposal, TreeDrafter, reads_features
+from specpool.target.features import FeatureGap
+from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostedDraft:
+    """What a round asks of a verifier that hosts drafters, beside the ``VerifyRequest``."""
+
+    drafter: str | None  # the hosted arm that drafts this round; None: the request carries its draft
+    k: int = 0  # most tokens to draft (with ``drafter``)
+    tree: bool = False  # draft a tree, if the arm drafts trees (greedy rounds, see the loop)
+    # The session's hosted white-box arms: each gets this round's features (all of them, every
+    # round, so an arm not played for a while still holds the whole context's, as in the loop).
+    feed: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class DraftingVerifier(Protocol):
+    """A verifier that also drafts for the arms it hosts (``HostingVerifier``, or the target deployment
+    through ``RemoteVerifier``)."""
+
+    def draft_and_verify(self, request: VerifyRequest, draft: HostedDraft) -> tuple[Proposal, VerifyResult]:
+        """Draft with ``draft.drafter`` (if set: ``request`` then carries no draft) and verify.
+        Returns the round's proposal (the request's own when it carried one) and its result."""
+        ...
+
+
+class HostedArm:
+    """The router's stand-in for an arm its target hosts: the pool and the policies see a drafter
+    by that name; the loop sees ``hosted_by_target`` and lets the target draft.
+
+    ``propose`` is never called by the loop; a caller that does gets an error naming the cause."""
+
+    hosted_by_target = True
+
+    def __init__(self, name: str, tokenizer_fingerprint: str | None, white_box: bool, tree_nodes: int = 0):
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.white_box = white_box  # reads the target's features (the loop's first round is then a prefill)
+        self.tree_nodes = tree_nodes
+        self.cost = CostMeter()  # the target's drafting time per proposed token (its forward_s)
+
+    def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        raise FailedPrecondition(f"drafter {self.name!r} is hosted by the target: its rounds are drafted in the verify call")
+
+    def release(self, session_id: str) -> None:
+        """Nothing here: the target frees the arm's session with its own."""
+
+
+def is_hosted(drafter: object) -> bool:
+    return getattr(drafter, "hosted_by_target", False) is True
+
+
+def hosted_arm_of(name: str, drafter: Drafter) -> HostedArm:
+    """The stand-in for ``drafter`` hosted under ``name`` (in process: tests, the embedded check)."""
+    return HostedArm(name, drafter.tokenizer_fingerprint, reads_features(drafter),
+                     int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0)
+
+
+class HostingVerifier:
+    """A ``TargetVerifier`` with the drafters it hosts (see the module docstring). Not thread-safe,
+    like the verifier: the target deployment calls it from its one model thread."""
+
+    def __init__(self, verifier: TargetVerifier, drafters: Mapping[str, Drafter]):
+        self.verifier = verifier
+        self.drafters = dict(drafters)
+        self.draft_failures = 0  # rounds whose hosted draft raised (verified with no draft instead)
+
+    # -- what the loop and the deployment call --------------------------------------------------------
+    @property
+    def verifies_trees(self) -> bool:
+        return bool(getattr(self.verifier, "verifies_trees", False))
+
+    def verify(self, request: VerifyRequest) -> VerifyResult:
+        return self.verifier.verify(request)
+
+    def draft_and_verify(self, request: VerifyRequest, draft: HostedDraft) -> tuple[Proposal, VerifyResult]:
+        outcome = self.verify_batch([(request, draft)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def verify_batch(self, items: Sequence[tuple[VerifyRequest, HostedDraft | None]]
+                     ) -> list[tuple[Proposal, VerifyResult] | SpecpoolError]:
+        """Draft each item's hosted arm (one session after another), verify all of them in one
+        batched forward, then give each session's hosted heads its features. A failed item's entry
+        is its error; the others go on."""
+        outcomes: list = [None] * len(items)
+        ready: list[tuple[int, VerifyRequest, Proposal, HostedDraft | None]] = []
+        for i, (request, draft) in enumerate(items):
+            try:
+                proposal, request = self._drafted(request, draft)
+            except SpecpoolError as exc:
+                outcomes[i] = exc
+                continue
+            ready.append((i, request, proposal, draft))
+        results = self.verifier.verify_batch([request for _, request, _, _ in ready]) if ready else []
+        for (i, request, proposal, draft), result in zip(ready, results):
+            if isinstance(result, BaseException):
+                outcomes[i] = result
+                continue
+            try:
+                result = self._fed(request, draft, result)
+            except SpecpoolError as exc:
+                outcomes[i] = exc
+                continue
+            if not items[i][0].return_features and result.features is not None:
+                result = dataclasses.replace(result, features=None)  # read here; the caller did not ask
+            outcomes[i] = (proposal, result)
+        return outcomes
+
+    def release(self, session_id: str) -> None:
+        self.verifier.release(session_id)
+        for drafter in self.drafters.values():
+            drafter.release(session_id)
+
+    # -- the steps -------------------------------------------------------------------------------------
+    def _arm(self, name: str) -> Drafter:
+        drafter = self.drafters.get(name)
+        if drafter is None:
+            raise NotFound(f"this target hosts no drafter {name!r} (it hosts: {', '.join(sorted(self.drafters)) or 'none'})")
+        return drafter
+
+    def _drafted(self, request: VerifyRequest, draft: HostedDraft | None) -> tuple[Proposal, VerifyRequest]:
+        """The round's proposal, and the request that verifies it (with features when hosted heads read them)."""
+        proposal = Proposal(list(request.draft_tokens), list(request.q),
+                            parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
+        if draft is None:
+            return proposal, request
+        for name in draft.feed:
+            self._arm(name)  # unknown names fail the round, before any work
+        if draft.drafter is not None and draft.k > 0:
+            if request.draft_tokens:
+                raise FailedPrecondition("a round drafted by a hosted arm carries no draft tokens of its own")
+            proposal = self._propose(self._arm(draft.drafter), request, draft)
+        return proposal, dataclasses.replace(
+            request, draft_tokens=list(proposal.tokens), q=list(proposal.q),
+            tree_parents=proposal.parents if proposal.tokens else None,
+            return_features=request.return_features or bool(draft.feed))
+
+    def _propose(self, drafter: Drafter, request: VerifyRequest, draft: HostedDraft) -> Proposal:
+        """The arm's proposal, exactly as the loop would ask a drafter of its own for it. A drafter that
+        fails costs the round its draft (a target-only round), never the request: as a drafter
+        deployment that fails (``specpool/services/remote.py``)."""
+        try:
+            if (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
+                    and self.verifies_trees):
+                return drafter.propose_tree(request.session_id, request.context_ids, draft.k, request.params)
+            return drafter.propose(request.session_id, request.context_ids, draft.k, request.params)
+        except Exception:  # noqa: BLE001 - a draft is only a suggestion: the round goes on without one
+            self.draft_failures += 1
+            logger.exception("hosted drafter %s failed; the round is verified without a draft", draft.drafter)
+            return Proposal([], [])
+
+    def _fed(self, request: VerifyRequest, draft: HostedDraft | None, result: VerifyResult) -> VerifyResult:
+        """Hand the round's features to the session's hosted heads. A head missing rows before the
+        first one the target fed (``FeatureGap``: it evicted the session, or the session's earlier
+        requests had no hosted head) gets them all: the round is verified again from an empty cache,
+        as the loop does for heads of its own (``loop._hand_features``): same round, same outcome."""
+        if draft is None or not draft.feed:
+            return result
+        heads = [self.drafters[name] for name in draft.feed if reads_features(self.drafters[name])]
+        if heads:
+            if result.features is None:
+                raise FailedPrecondition("the target returned no features for its hosted heads")
+            try:
+                for head in heads:
+                    head.observe_features(request.session_id, result.features)
+            except FeatureGap:
+                self.verifier.release(request.session_id)
+                result = self.verifier.verify(request)
+                for head in heads:
+                    head.observe_features(request.session_id, result.features)
+        return result
