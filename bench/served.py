@@ -137,6 +137,9 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each concurrency level (default: max(#prompts, 2 x sessions))")
     parser.add_argument("--max-batch-size", type=int, default=8, help="the target's @serve.batch size (default 8)")
+    parser.add_argument("--host-heads", default=None, action=argparse.BooleanOptionalAction,
+                        help="the target deployment hosts the pool's white-box heads and drafts with them inside its verify "
+                             "call (as `specpool serve`, whose default this follows); --no-host-heads: a drafter deployment each")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--port", type=int, default=50061, help="gRPC port of the benchmark's own server (default 50061)")
     parser.add_argument("--out", default=default_out("served"), help=f"output folder (default ./{default_out('served')} in the working directory)")
@@ -195,11 +198,16 @@ def time_split(*, rounds: int, wall_s: float, loop_s: float, draft_s: float, dra
     """Where one request's time went, in seconds: the models' forwards, reaching them (transport,
     queueing, conversion: a call's wall time minus its forward), the rest of the speculative loop
     (the policy and its state store, streaming callbacks) and what lies outside the loop (request
-    set-up, the client's transport, release)."""
+    set-up, the client's transport, release).
+
+    A head the target hosts (specpool/router/hosted.py) drafts inside the verify call: the router's
+    draft time is then ~0 and its forwards lie in ``verify_s``; the draft forward time beyond
+    ``draft_s`` is taken out of reaching the target."""
+    inside_verify = max(0.0, draft_forward_s - draft_s)
     return {
         "rounds": rounds, "wall_s": wall_s,
         "draft_forward_s": draft_forward_s, "draft_reach_s": max(0.0, draft_s - draft_forward_s),
-        "verify_forward_s": verify_forward_s, "verify_reach_s": max(0.0, verify_s - verify_forward_s),
+        "verify_forward_s": verify_forward_s, "verify_reach_s": max(0.0, verify_s - verify_forward_s - inside_verify),
         "loop_other_s": max(0.0, loop_s - draft_s - verify_s), "outside_loop_s": max(0.0, wall_s - loop_s),
     }
 
@@ -264,7 +272,8 @@ def markdown_report(result: dict, plot: str | None) -> str:
         f"Ray {result['machine'].get('ray')}, grpcio {result['machine'].get('grpcio')}",
         f"- target {cfg['target']}, pool {', '.join(cfg['pool'])}, policy {cfg['policy']}, k {cfg['k']}, greedy, "
         f"{cfg['max_new_tokens']} new tokens, {single['prompts']} prompts ({cfg['prompts_file']}, {cfg['limit_per_category']} per category)",
-        f"- served: router + target (@serve.batch max {cfg['max_batch_size']}) + {len(cfg['pool'])} drafter deployments on one local Ray, "
+        f"- served: router + target (@serve.batch max {cfg['max_batch_size']}{hosted_note(cfg)}) + "
+        f"{plural(len(cfg['pool']) - len(hosted_drafters(cfg)), 'drafter deployment')} on one local Ray, "
         "client over gRPC on loopback, session state in Redis; embedded: the same models in a child process without Ray, in-memory state",
         "",
         "## Single session, side by side", "",
@@ -361,7 +370,8 @@ def command_line(args: argparse.Namespace) -> str:
         "specpool", "bench-served", "--prompts", str(args.prompts), "--limit-per-category", str(args.limit_per_category),
         "--max-new-tokens", str(args.max_new_tokens), "--pool", args.pool, "--policy", args.policy, "-k", str(args.k),
         "--concurrency", args.concurrency, "--max-batch-size", str(args.max_batch_size), "--out", str(args.out),
-    ] + (["--requests-per-level", str(args.requests_per_level)] if args.requests_per_level else []))
+    ] + (["--requests-per-level", str(args.requests_per_level)] if args.requests_per_level else [])
+      + ([] if getattr(args, "host_heads", None) is None else ["--host-heads" if args.host_heads else "--no-host-heads"]))
 
 
 def run_bench_served(args: argparse.Namespace, settings) -> int:
@@ -375,7 +385,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from specpool.services.client import SpecPoolClient
     from specpool.services.engine import default_policy, default_pool
     from specpool.services.local_serve import start_local
-    from specpool.services.serve_config import default_serve_config, plan_from_config
+    from specpool.services.serve_config import DEFAULT_HOST_WHITE_BOX, default_serve_config, plan_from_config
     from specpool.target.sampling import validate_draft_length
 
     questions = load_questions(Path(args.prompts), args.limit_per_category)
@@ -393,7 +403,8 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k)
+    config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k,
+                                  host_white_box=DEFAULT_HOST_WHITE_BOX if args.host_heads is None else args.host_heads)
     namespace = f"specpool-bench-{uuid.uuid4().hex[:8]}"  # the run's own Redis keys, deleted at the end
     for app in config["applications"]:
         if app["name"] == "target":
@@ -524,6 +535,21 @@ def _delete_namespace(redis_url: str, namespace: str) -> None:
         raw.close()
     except Exception:  # noqa: BLE001 - cleanup only
         pass
+
+
+def hosted_drafters(cfg: dict) -> list[str]:
+    """The drafters the run's target application hosted (specpool/router/hosted.py)."""
+    apps = (cfg.get("serve_config") or {}).get("applications") or []
+    return list(next((a["args"].get("hosted_drafters", []) for a in apps if a.get("name") == "target"), []))
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def hosted_note(cfg: dict) -> str:
+    hosted = hosted_drafters(cfg)
+    return f", hosting {', '.join(hosted)}: drafted inside its verify call" if hosted else ""
 
 
 def write_results(out: Path, args: argparse.Namespace, machine: dict, config: dict, pool: list[str],

@@ -53,3 +53,27 @@ def feedback_records(raw, stream: str, tenant: str, session: str | None = None) 
 
     decoded = (FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw.xrange(f"{stream}:{tenant}"))
     return [r for r in decoded if r.tenant == tenant and (session is None or r.session == session)]
+
+
+def generate_concurrently(client, prompts, **fields) -> dict:
+    """Each prompt's greedy token ids, all requests at once (one thread each, a fresh session each);
+    raises the first error any of them met."""
+    import threading
+    import uuid
+
+    results, errors = {}, []
+
+    def run(prompt: str) -> None:
+        try:
+            results[prompt] = client.generate(prompt, session_id=uuid.uuid4().hex, **fields).token_ids
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

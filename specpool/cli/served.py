@@ -63,6 +63,11 @@ def add_served_commands(commands) -> None:
     serve.add_argument("--feature-dtype", default=None, choices=("float16", "bfloat16"),
                        help="without --config: how the target's features travel to white-box drafters (eagle:...), "
                             "2 bytes a value (default float16)")
+    serve.add_argument("--host-heads", default=None, action=argparse.BooleanOptionalAction,
+                       help="without --config: the target deployment hosts the pool's white-box heads (eagle:..., "
+                            "lookup:eagle:...) and drafts with them inside its verify call, one call a round "
+                            "(default); --no-host-heads: a drafter deployment per head, fed the features over the wire "
+                            "(what online learning of a head needs)")
     serve.add_argument("--print-config", action="store_true", help="print the Serve config that would run, and exit")
 
     client = commands.add_parser("client", help="talk to a running `specpool serve` (or a cluster) over gRPC")
@@ -123,12 +128,14 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
 
     if args.config is not None:
         for flag, value in (("--pool", args.pool), ("--policy", args.policy), ("-k", args.k),
-                            ("--feature-dtype", getattr(args, "feature_dtype", None))):
+                            ("--feature-dtype", getattr(args, "feature_dtype", None)),
+                            ("--host-heads/--no-host-heads", getattr(args, "host_heads", None))):
             if value is not None:
                 raise InvalidArgument(f"{flag} is for the default config; with --config, set it in {args.config}")
         config, source = load_serve_config(Path(args.config)), args.config
     else:
         from specpool.services.engine import default_policy, default_pool
+        from specpool.services.serve_config import DEFAULT_HOST_WHITE_BOX
 
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
@@ -136,7 +143,9 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         policy = args.policy or default_policy(pool_named=args.pool is not None)
         config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=policy,
                                       k=args.k if args.k is not None else 5,
-                                      feature_dtype=getattr(args, "feature_dtype", None) or "float16")
+                                      feature_dtype=getattr(args, "feature_dtype", None) or "float16",
+                                      host_white_box=DEFAULT_HOST_WHITE_BOX if getattr(args, "host_heads", None) is None
+                                      else args.host_heads)
         source = "the default config"
     if args.port is not None:
         check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")

@@ -17,6 +17,7 @@ import torch
 
 from specpool.drafters.base import Proposal
 from specpool.core.errors import FailedPrecondition, InvalidArgument, check
+from specpool.router.hosted import HostedDraft
 from specpool.router.session_store import TENANT_PATTERN
 from specpool.services.api import decimal_float
 from specpool.v1 import common_pb2, drafter_pb2, target_pb2
@@ -105,13 +106,27 @@ def _session(session_id: str) -> str:
 
 
 # -- Target.Verify ------------------------------------------------------------------------------------
-def verify_request_to_proto(request: VerifyRequest) -> target_pb2.VerifyRequest:
+def verify_request_to_proto(request: VerifyRequest, hosted: HostedDraft | None = None) -> target_pb2.VerifyRequest:
+    """``hosted``: what the round asks of a target that hosts drafters (specpool/router/hosted.py)."""
     return target_pb2.VerifyRequest(
         session_id=request.session_id, context_ids=request.context_ids, draft_tokens=request.draft_tokens,
         q=[sparse_to_proto(q) for q in request.q], sampling=sampling_to_proto(request.params),
         return_top_k=request.return_top_k, return_features=request.return_features,
         draft_tree=request.tree_parents is not None, tree_parents=request.tree_parents or (),
+        hosted=None if hosted is None else target_pb2.HostedDraft(drafter=hosted.drafter or "", k=hosted.k if hosted.drafter else 0,
+                                                                   tree=hosted.tree, feed=hosted.feed),
     )
+
+
+def hosted_draft_from_proto(msg: target_pb2.VerifyRequest) -> HostedDraft | None:
+    """A verify request's ``hosted`` part; None when it has none."""
+    if not msg.HasField("hosted"):
+        return None
+    hosted = msg.hosted
+    if hosted.drafter:
+        check(1 <= hosted.k <= MAX_DRAFT_LENGTH, f"a hosted draft needs k in 1..{MAX_DRAFT_LENGTH}, got {hosted.k}")
+        check(len(msg.draft_tokens) == 0, "a round drafted by a hosted drafter carries no draft tokens of its own")
+    return HostedDraft(hosted.drafter or None, int(hosted.k), bool(hosted.tree), tuple(hosted.feed))
 
 
 def verify_request_from_proto(msg: target_pb2.VerifyRequest) -> VerifyRequest:
@@ -135,11 +150,14 @@ def _tree_parents(is_tree: bool, parents, tokens) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parents)
 
 
-def verify_result_to_proto(result: VerifyResult, feature_dtype: str = "float16") -> target_pb2.VerifyResponse:
-    """``feature_dtype``: the wire encoding of ``result.features`` (when it has them)."""
+def verify_result_to_proto(result: VerifyResult, feature_dtype: str = "float16",
+                           drafted: Proposal | None = None) -> target_pb2.VerifyResponse:
+    """``feature_dtype``: the wire encoding of ``result.features`` (when it has them); ``drafted``:
+    the proposal a hosted drafter made for this round."""
     response = target_pb2.VerifyResponse(
         accepted=result.accepted, tokens=result.tokens, tv=result.tv,
         target_top_k=[sparse_to_proto(d) for d in (result.target_top_k or [])], forward_s=result.forward_s,
+        drafted=None if drafted is None else proposal_to_proto(drafted),
     )
     if result.features is not None:
         response.features.CopyFrom(features_to_proto(result.features, feature_dtype))

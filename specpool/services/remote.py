@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from specpool.drafters.base import CostMeter, Proposal
-from specpool.core.errors import DeadlineExceeded, ModelUnavailable, SpecpoolError
+from specpool.core.errors import DeadlineExceeded, FailedPrecondition, ModelUnavailable, SpecpoolError
+from specpool.router.hosted import HostedDraft
 from specpool.services import convert
 from specpool.services.direct import DirectRoutes
 from specpool.v1 import common_pb2
@@ -180,6 +181,21 @@ class RemoteVerifier:
         if response.HasField("features"):
             self.features_received.add(response.features)
         return convert.verify_result_from_proto(response)
+
+    def draft_and_verify(self, request: VerifyRequest, draft: HostedDraft) -> tuple[Proposal, VerifyResult]:
+        """``specpool.router.hosted.DraftingVerifier``: one Verify call in which the target deployment
+        drafts with an arm it hosts (``draft.drafter``) and verifies that draft. The router makes
+        ``HostedArm`` stand-ins only for arms the target's Info lists as hosted."""
+        response = self.caller.call("Verify", convert.verify_request_to_proto(request, draft), request.session_id)
+        if response.HasField("features"):
+            self.features_received.add(response.features)
+        result = convert.verify_result_from_proto(response)
+        if draft.drafter is None:
+            return Proposal(list(request.draft_tokens), list(request.q)), result
+        if not response.HasField("drafted"):
+            raise FailedPrecondition(f"the target deployment did not draft with hosted drafter {draft.drafter!r} "
+                                     "(a target too old to host drafters?)")
+        return convert.proposal_from_proto(response.drafted), result
 
     def release(self, session_id: str) -> bool:
         return bool(self.caller.call("Release", common_pb2.ReleaseRequest(session_id=session_id), session_id).released)

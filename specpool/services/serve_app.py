@@ -78,6 +78,7 @@ from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
 from specpool.learning.hot_swap import ServedVariants, learnable
 from specpool.learning.model_store import open_model_store
+from specpool.router.hosted import HostedArm, HostingVerifier
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.admission import Admission, QuotaExceeded, load_quotas, retry_metadata
@@ -218,6 +219,8 @@ class TargetServer:
         # and Release never races a forward over the same cache.
         self._model_thread = _model_thread(args.threads, "target-model")
         self.verifier = self._model_thread.submit(self._load_verifier, args).result()
+        # The drafters it hosts draft inside Verify, on the same thread (specpool/router/hosted.py).
+        self.hosting = self._model_thread.submit(self._load_hosted, args, self.verifier).result()
         self.info = {
             "model": args.model,
             "stop_token_ids": list(stop_token_ids(self.verifier.model, self.verifier.tokenizer)),
@@ -225,6 +228,10 @@ class TargetServer:
             "tokenizer_fingerprint": self.verifier.tokenizer_fingerprint,
             "feature_width": self.verifier.feature_width,  # white-box drafters read features this wide
             "feature_dtype": args.feature_dtype,  # and get them as these 2-byte values
+            "hosted": {name: {"tokenizer_fingerprint": drafter.tokenizer_fingerprint,
+                              "feature_width": int(drafter.feature_width) if reads_features(drafter) else 0,
+                              "tree_nodes": int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0}
+                       for name, drafter in self.hosting.drafters.items()},
         }
         self._live = _RecentSessions()  # sessions verified and not released since (LRU may drop more)
         self._batch_sizes: Counter[int] = Counter()
@@ -241,6 +248,15 @@ class TargetServer:
         model, tokenizer = load_causal_lm(ModelConfig(args.model, args.device, args.dtype), _home())
         return TargetVerifier(model, tokenizer, args.cache_capacity)
 
+    @staticmethod
+    def _load_hosted(args: TargetArgs, verifier: TargetVerifier) -> HostingVerifier:
+        context = DrafterContext(_home(), args.model, args.device, args.dtype)
+        drafters = {name: create_drafter(name, context) for name in args.hosted_drafters}
+        for name, drafter in drafters.items():
+            if drafter.tokenizer_fingerprint is not None:
+                check_same_tokenizer(verifier.tokenizer_fingerprint, drafter.tokenizer_fingerprint, name)
+        return HostingVerifier(verifier, drafters)
+
     async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """Batching (``@serve.batch`` below) of calls that do not arrive in step.
 
@@ -255,35 +271,39 @@ class TargetServer:
         first token), and a session that finished cost the others one timeout.
         """
         verify_request = convert.verify_request_from_proto(request)
+        hosted = convert.hosted_draft_from_proto(request)
         session = verify_request.session_id
         await self._model_free.wait()
         self._queued.add(session)
         wanted = len(self._expected | self._queued)
         self._verify_batch.set_max_batch_size(max(1, min(self.args.max_batch_size, wanted)))
         try:
-            result = await self._verify_batch(verify_request)
+            outcome = await self._verify_batch((verify_request, hosted))
         finally:
             self._queued.discard(session)
-        if isinstance(result, BaseException):
-            raise result
-        response = convert.verify_result_to_proto(result, self.args.feature_dtype)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        proposal, result = outcome
+        response = convert.verify_result_to_proto(result, self.args.feature_dtype,
+                                                  proposal if hosted is not None and hosted.drafter else None)
         await _offer_route(self._direct, response)
         return response
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
     async def _verify_batch(self, requests: list) -> list:
         self._model_free.clear()
-        self._expected = {r.session_id for r in requests}
+        self._expected = {r.session_id for r, _ in requests}
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._model_thread, self._run_batch, requests)
         finally:
             self._model_free.set()
 
-    def _run_batch(self, requests: list) -> list:
-        self._batch_sizes[len(requests)] += 1
-        self._live.update(r.session_id for r in requests)
-        return list(self.verifier.verify_batch(requests))  # a failed request's entry is its SpecpoolError
+    def _run_batch(self, items: list) -> list:
+        """(request, hosted draft) pairs -> (proposal, result) pairs; a failed one's entry is its SpecpoolError."""
+        self._batch_sizes[len(items)] += 1
+        self._live.update(r.session_id for r, _ in items)
+        return self.hosting.verify_batch(items)
 
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         """Frees a session's cache; with ``keep_caches``, only says that its request has ended.
@@ -296,7 +316,7 @@ class TargetServer:
 
     def _release(self, session_id: str) -> bool:
         held = session_id in self._live or session_id in self.verifier.caches.sessions()
-        self.verifier.release(session_id)
+        self.hosting.release(session_id)  # the hosted drafters' caches too
         self._live.discard(session_id)
         return held
 
@@ -312,7 +332,7 @@ class TargetServer:
         """Batches run by size: {size: count}; calls that came over the direct route; the sessions
         the next batch would wait for (those of the last batch whose request has not ended)."""
         return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls,
-                "waiting_for": sorted(self._expected)}
+                "waiting_for": sorted(self._expected), "hosted_draft_failures": self.hosting.draft_failures}
 
     async def Replica(self) -> dict:
         return _replica()
@@ -481,7 +501,9 @@ class RouterServer:
         self.store = RedisSessionStore(args.resolved_redis_url(), ttl_s=args.session_ttl_s, namespace=args.redis_namespace)
         target = serve.get_deployment_handle("Target", app_name=args.target_app)
         info = await target.options(method_name="Info").remote()
-        drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps}
+        hosted = {name for name, app in args.drafter_apps if app == args.target_app}  # drafted inside Verify
+        drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps
+                           if name not in hosted}
         node = ray.get_runtime_context().get_node_id()
         self._direct: list[DirectRoutes] = []
 
@@ -492,7 +514,7 @@ class RouterServer:
             return self._direct[-1]
 
         infos = await asyncio.gather(*(h.options(method_name="Info").remote() for h in drafter_handles.values()))
-        drafters = {}
+        drafters: dict = {name: self._hosted_arm(info, name) for name in hosted}
         self._relay: FeatureRelay | None = None  # the target's features per session, for the white-box arms
         for (name, handle), drafter_info in zip(drafter_handles.items(), infos):
             if drafter_info["name"] != name:
@@ -510,22 +532,23 @@ class RouterServer:
                                       timeout_s=args.drafter_timeout_s)
             drafters[name] = RemoteDrafter(name, caller, fingerprint, width, self._relay if width else None,
                                            tree_nodes=int(drafter_info.get("tree_nodes", 0)))
-        self._drafters = drafters
+        self._drafters = {name: drafters[name] for name, _ in args.drafter_apps}  # pool order
         self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"),
                                                          timeout_s=args.call_timeout_s))
         keys = load_api_keys(args.api_keys_file)  # also bounds the tenant label of the metrics
         metrics = RayMetrics(TenantLabels(keys.tenants if keys.enabled else None))
         self._verifier.features_received.observer = lambda count: metrics.feature_bytes("target", "none", count)
         for name, drafter in drafters.items():
-            drafter.features_sent.observer = lambda count, name=name: metrics.feature_bytes("drafter", name, count)
-            drafter.on_failure = metrics.drafter_failure
+            if isinstance(drafter, RemoteDrafter):
+                drafter.features_sent.observer = lambda count, name=name: metrics.feature_bytes("drafter", name, count)
+                drafter.on_failure = metrics.drafter_failure
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(None, resolve_model, info["model"], _home())
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, source)
         self.core = Orchestrator(
             tokenizer,
             ModelInfo(info["model"], tuple(info["stop_token_ids"]), info["context_window"], info["tokenizer_fingerprint"]),
-            ServedDrafters(drafters),
+            ServedDrafters(self._drafters),
             self._verifier,
             self.store,
             OrchestratorSettings(policy=args.policy, k=args.k, max_new_tokens=args.max_new_tokens, beta=args.beta,
@@ -564,6 +587,18 @@ class RouterServer:
 
     async def _healthy(self) -> bool:
         return await self._serving() == health_pb2.HealthCheckResponse.SERVING
+
+    @staticmethod
+    def _hosted_arm(info: dict, name: str) -> HostedArm:
+        """The stand-in for an arm the target application hosts; one it does not host is refused here."""
+        hosted = info.get("hosted") or {}
+        if name not in hosted:
+            raise FailedPrecondition(f"drafter {name!r} is mapped to the target application, but the target hosts "
+                                     f"{', '.join(sorted(hosted)) or 'no drafters'} (its hosted_drafters; an older specpool?)")
+        arm = hosted[name]
+        if arm["tokenizer_fingerprint"] is not None:
+            check_same_tokenizer(info["tokenizer_fingerprint"], arm["tokenizer_fingerprint"], name)
+        return HostedArm(name, arm["tokenizer_fingerprint"], int(arm["feature_width"]) > 0, int(arm["tree_nodes"]))
 
     @staticmethod
     def _feature_relay(info: dict, drafter: str, width: int) -> FeatureRelay:
@@ -693,7 +728,7 @@ class RouterServer:
     async def FeatureStats(self) -> dict:
         """Feature traffic of this replica: received from the target, sent to each white-box
         drafter (calls, rows, bytes), resends after a deployment's gap, sessions held."""
-        white_box = {name: d for name, d in self._drafters.items() if d.relay is not None}
+        white_box = {name: d for name, d in self._drafters.items() if isinstance(d, RemoteDrafter) and d.relay is not None}
         return {"received": self._verifier.features_received.as_dict(),
                 "sent": {name: d.features_sent.as_dict() for name, d in white_box.items()},
                 "resends": {name: d.resends for name, d in white_box.items()},

@@ -229,7 +229,8 @@ class RouterArgs:
             if not isinstance(app, str) or not _APP_NAME.match(app):
                 raise InvalidArgument(f"{where}: drafter_apps[{name!r}] must be an application name, got {app!r}")
             pairs.append((name, app))
-        if len({app for _, app in pairs}) != len(pairs):
+        target_app = args.get("target_app", "target")  # drafters it hosts all map to it (specpool/router/hosted.py)
+        if len({app for _, app in pairs if app != target_app}) != sum(1 for _, app in pairs if app != target_app):
             raise InvalidArgument(f"{where}: drafter_apps names one application for two drafters: {dict(pairs)}")
         out: dict[str, Any] = {"drafter_apps": tuple(pairs)}
         if "redis_url" in args:
@@ -365,6 +366,10 @@ class TargetArgs:
     # Wire encoding of the features white-box drafters read (2 bytes a value either way):
     # float16 by default; bfloat16 for a target whose hidden states overflow float16's range.
     feature_dtype: str = "float16"
+    # Drafters this deployment hosts (specpool/router/hosted.py): it drafts with them inside the
+    # verify call, white-box heads reading its features in process; the router maps each such name
+    # to this application in its drafter_apps.
+    hosted_drafters: tuple[str, ...] = ()
 
     @property
     def ongoing(self) -> int:
@@ -401,6 +406,13 @@ class TargetArgs:
             if args["feature_dtype"] not in FEATURE_DTYPES:
                 raise InvalidArgument(f"{where}: feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {args['feature_dtype']!r}")
             out["feature_dtype"] = args["feature_dtype"]
+        if args.get("hosted_drafters") is not None:
+            hosted = args["hosted_drafters"]
+            if not isinstance(hosted, (list, tuple)) or not all(isinstance(h, str) and h for h in hosted):
+                raise InvalidArgument(f"{where}: hosted_drafters must be a list of drafter names, got {hosted!r}")
+            if len(set(hosted)) != len(hosted):
+                raise InvalidArgument(f"{where}: hosted_drafters names a drafter twice: {list(hosted)}")
+            out["hosted_drafters"] = tuple(hosted)
         parsed = cls(**out)
         if parsed.ongoing < parsed.max_batch_size:
             raise InvalidArgument(f"{where}: max_ongoing_requests ({parsed.ongoing}) must be >= max_batch_size "
@@ -484,6 +496,22 @@ def drafter_app_name(drafter: str) -> str:
     return f"drafter-{digest}-{name[-(100 - 19):].lstrip('-.')}"
 
 
+# Kinds of the white-box heads (specpool/drafters/eagle.py), by name: the config is written without
+# loading a drafter.
+WHITE_BOX_KINDS = ("eagle", "eagle-tree", "eagle-alt")
+# Whether `specpool serve` without --config has the target host the pool's white-box arms (see
+# default_serve_config); measured in bench/results/served-hosted/.
+DEFAULT_HOST_WHITE_BOX = True
+
+
+def is_white_box_spec(name: str) -> bool:
+    """Whether drafter spec ``name`` is a white-box head, alone or behind prompt lookup
+    (``eagle:general``, ``lookup:eagle:code``, ``eagle-tree:/srv/heads/x``)."""
+    while name.startswith("lookup:"):
+        name = name[len("lookup:"):]
+    return name.partition(":")[0] in WHITE_BOX_KINDS
+
+
 def target_threads_for(cores: int) -> int:
     """The target's torch threads in the default config: every core.
 
@@ -509,11 +537,15 @@ def default_serve_config(
     k: int = DEFAULT_K,
     cores: int | None = None,
     feature_dtype: str = "float16",
+    host_white_box: bool = DEFAULT_HOST_WHITE_BOX,
 ) -> dict:
     """The Serve config `specpool serve` runs without --config: the target and one application per
     drafter of ``pool`` on this machine's CPUs, the router as the gRPC ingress. Same shape as
-    k8s/rayservice.yaml's serveConfigV2 (print it with `specpool serve --print-config`)."""
+    k8s/rayservice.yaml's serveConfigV2 (print it with `specpool serve --print-config`).
+    ``host_white_box``: the target hosts the pool's white-box arms (``is_white_box_spec``) and drafts
+    with them in its verify call, instead of a drafter application each."""
     cores = cores or os.cpu_count() or 1
+    hosted = [name for name in pool if host_white_box and is_white_box_spec(name)]
     drafters = [
         {
             "name": drafter_app_name(name),
@@ -524,7 +556,7 @@ def default_serve_config(
                      "ray_actor_options": {"num_cpus": 0.5 if name.startswith("ngram") else 1, "num_gpus": 0},
                      "torch_threads": 1},
         }
-        for name in pool
+        for name in pool if name not in hosted
     ]
     return {
         "proxy_location": "HeadOnly",
@@ -536,7 +568,7 @@ def default_serve_config(
                 "route_prefix": "/",
                 "import_path": ROUTER_IMPORT_PATH,
                 "args": {"redis_url": redis_url, "policy": policy, "k": k, "target_app": "target",
-                         "drafter_apps": {name: drafter_app_name(name) for name in pool},
+                         "drafter_apps": {name: "target" if name in hosted else drafter_app_name(name) for name in pool},
                          "num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}},
             },
             {
@@ -548,7 +580,8 @@ def default_serve_config(
                          "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "num_replicas": 1,
                          "ray_actor_options": {"num_cpus": cores, "num_gpus": 0},
                          "torch_threads": target_threads_for(cores),
-                         **({"feature_dtype": feature_dtype} if feature_dtype != "float16" else {})},
+                         **({"feature_dtype": feature_dtype} if feature_dtype != "float16" else {}),
+                         **({"hosted_drafters": hosted} if hosted else {})},
             },
             *drafters,
         ],
@@ -629,8 +662,16 @@ def plan_from_config(config: Any, source: str = "the Serve config") -> ServePlan
     target = by_name.get(router.target_app)
     if target is None or target.import_path != TARGET_IMPORT_PATH:
         raise InvalidArgument(f"{source}: the router's target_app {router.target_app!r} is not a {TARGET_IMPORT_PATH} application")
-    TargetArgs.parse(target.args)
+    hosted = TargetArgs.parse(target.args).hosted_drafters
     for drafter, app_name in router.drafter_apps:
+        if app_name == router.target_app:  # hosted by the target (specpool/router/hosted.py)
+            if drafter not in hosted:
+                raise InvalidArgument(f"{source}: drafter_apps[{drafter!r}] is the target application {app_name!r}, but its "
+                                      f"hosted_drafters do not include {drafter!r} (they are: {list(hosted)})")
+            if router.feedback:
+                raise InvalidArgument(f"{source}: drafter {drafter!r} is hosted by the target, which serves its shipped weights and "
+                                      "sends no features with feedback records; with feedback: true give it a drafter application")
+            continue
         app = by_name.get(app_name)
         if app is None or app.import_path != DRAFTER_IMPORT_PATH:
             raise InvalidArgument(f"{source}: drafter_apps[{drafter!r}] = {app_name!r} is not a {DRAFTER_IMPORT_PATH} application")

@@ -23,19 +23,22 @@ _sym_db = _symbol_database.Default()
 
 
 from specpool.v1 import common_pb2 as specpool_dot_v1_dot_common__pb2
+from specpool.v1 import drafter_pb2 as specpool_dot_v1_dot_drafter__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/target.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\"\x82\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12*\n\x01q\x18\x04 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x14\n\x0creturn_top_k\x18\x06 \x01(\r\x12\x17\n\x0freturn_features\x18\x07 \x01(\x08\x12\x12\n\ndraft_tree\x18\x08 \x01(\x08\x12\x14\n\x0ctree_parents\x18\t \x03(\x11\"\xdb\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\n\n\x02tv\x18\x03 \x03(\x01\x12\x35\n\x0ctarget_top_k\x18\x04 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12(\n\x06\x64irect\x18\x06 \x01(\x0b\x32\x18.specpool.v1.DirectRoute\x12\'\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x15.specpool.v1.Features2\x91\x01\n\x06Target\x12\x41\n\x06Verify\x12\x1a.specpool.v1.VerifyRequest\x1a\x1b.specpool.v1.VerifyResponse\x12\x44\n\x07Release\x12\x1b.specpool.v1.ReleaseRequest\x1a\x1c.specpool.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/target.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/common.proto\x1a\x19specpool/v1/drafter.proto\"\xac\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12*\n\x01q\x18\x04 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x14\n\x0creturn_top_k\x18\x06 \x01(\r\x12\x17\n\x0freturn_features\x18\x07 \x01(\x08\x12\x12\n\ndraft_tree\x18\x08 \x01(\x08\x12\x14\n\x0ctree_parents\x18\t \x03(\x11\x12(\n\x06hosted\x18\n \x01(\x0b\x32\x18.specpool.v1.HostedDraft\"E\n\x0bHostedDraft\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12\x0c\n\x04tree\x18\x03 \x01(\x08\x12\x0c\n\x04\x66\x65\x65\x64\x18\x04 \x03(\t\"\x8a\x02\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\n\n\x02tv\x18\x03 \x03(\x01\x12\x35\n\x0ctarget_top_k\x18\x04 \x03(\x0b\x32\x1f.specpool.v1.SparseDistribution\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12(\n\x06\x64irect\x18\x06 \x01(\x0b\x32\x18.specpool.v1.DirectRoute\x12\'\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x15.specpool.v1.Features\x12-\n\x07\x64rafted\x18\x08 \x01(\x0b\x32\x1c.specpool.v1.ProposeResponse2\x91\x01\n\x06Target\x12\x41\n\x06Verify\x12\x1a.specpool.v1.VerifyRequest\x1a\x1b.specpool.v1.VerifyResponse\x12\x44\n\x07Release\x12\x1b.specpool.v1.ReleaseRequest\x1a\x1c.specpool.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpool.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYREQUEST']._serialized_start=68
-  _globals['_VERIFYREQUEST']._serialized_end=326
-  _globals['_VERIFYRESPONSE']._serialized_start=329
-  _globals['_VERIFYRESPONSE']._serialized_end=548
-  _globals['_TARGET']._serialized_start=551
-  _globals['_TARGET']._serialized_end=696
+  _globals['_VERIFYREQUEST']._serialized_start=95
+  _globals['_VERIFYREQUEST']._serialized_end=395
+  _globals['_HOSTEDDRAFT']._serialized_start=397
+  _globals['_HOSTEDDRAFT']._serialized_end=466
+  _globals['_VERIFYRESPONSE']._serialized_start=469
+  _globals['_VERIFYRESPONSE']._serialized_end=735
+  _globals['_TARGET']._serialized_start=738
+  _globals['_TARGET']._serialized_end=883
 # @@protoc_insertion_point(module_scope)

@@ -14,7 +14,6 @@ import signal
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -30,7 +29,7 @@ from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL
-from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call, feedback_records
+from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call, feedback_records, generate_concurrently
 POOL = ["ngram", "code"]
 MAX_NEW = 24
 K = 5
@@ -157,21 +156,7 @@ def test_stream_delivers_tokens_incrementally_and_in_order(client, reference):
 def test_four_concurrent_sessions_are_each_correct(served, client, reference):
     expected = {p: reference(p) for p in PROMPTS}
     before = _call(served.handles.target, "Stats")["batch_sizes"]
-    results: dict[str, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def run(prompt: str) -> None:
-        try:
-            results[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex).token_ids
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = generate_concurrently(client, PROMPTS, max_new_tokens=MAX_NEW)
     for prompt in PROMPTS:
         assert results[prompt] == expected[prompt], prompt
     after = _call(served.handles.target, "Stats")["batch_sizes"]

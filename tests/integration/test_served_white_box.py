@@ -1,7 +1,7 @@
 """Integration: a white-box (EAGLE-style) drafter served for real. Ray Serve on a local Ray cluster,
 the real default target, a drafter deployment hosting ``eagle:HEAD`` next to ``ngram``, Redis at
 127.0.0.1:6379, gRPC on loopback; no mocks. The config is the one ``specpool serve --pool
-eagle:HEAD,ngram,eagle-tree:HEAD`` runs. The head is built here (the target's own embedding and last layer,
+eagle:HEAD,ngram,eagle-tree:HEAD --no-host-heads`` runs. The head is built here (the target's own embedding and last layer,
 untrained: what it guesses does not matter, only that it drafts from the target's features), so the
 test needs nothing outside git but the cached target.
 
@@ -26,7 +26,7 @@ from specpool.core.defaults import DEFAULT_TARGET
 pytestmark = pytest.mark.integration
 
 from redis_helpers import URL, connect_or_skip
-from serve_helpers import free_port as _free_port, call as _call, feedback_records, wait_until as _wait
+from serve_helpers import free_port as _free_port, call as _call, feedback_records, generate_concurrently, wait_until as _wait
 
 MAX_NEW = 24
 TREES = "trees"  # a tenant opted out of feedback: its greedy rounds may draft trees
@@ -86,8 +86,10 @@ def served(head, tmp_path_factory):
     # feedback (a round with feedback drafts chains).
     pool = [f"eagle:{head}", "ngram", f"eagle-tree:{head}"]
     port = _free_port()
-    # What `specpool serve --pool eagle:HEAD,ngram --port PORT` runs.
-    config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", ",".join(pool), "--port", str(port)]))
+    # What `specpool serve --pool eagle:HEAD,ngram --no-host-heads --port PORT` runs: a drafter deployment
+    # per head, fed the target's features over the wire (tests/integration/test_served_hosted.py: hosted).
+    config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", ",".join(pool), "--no-host-heads",
+                                                                  "--port", str(port)]))
     namespace = f"specpool-wb-{uuid.uuid4().hex[:8]}"
     router = next(a for a in config["applications"] if a["name"] == "router")
     router["args"].update(redis_url=URL, redis_namespace=namespace, k=K)
@@ -205,23 +207,8 @@ def test_a_drafter_replica_that_lost_the_sessions_features_gets_them_again(serve
 
 
 def test_concurrent_sessions_batch_their_verifies_with_features(served, client, reference):
-    import threading
-
     before = _call(served.target, "Stats")["batch_sizes"]
-    results, errors = {}, []
-
-    def run(prompt: str) -> None:
-        try:
-            results[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex).token_ids
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = generate_concurrently(client, PROMPTS, max_new_tokens=MAX_NEW)
     assert results == {p: reference(p) for p in PROMPTS}
     after = _call(served.target, "Stats")["batch_sizes"]
     assert sum(count - before.get(size, 0) for size, count in after.items() if size > 1) > 0, after

@@ -222,21 +222,46 @@ def test_features_are_new_fields_that_older_peers_skip_and_newer_ones_default():
     # An older reader: target.proto without the new fields, in a pool of its own.
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-    pool = descriptor_pool.DescriptorPool()
-    for module in (common, target):
-        file = descriptor_pb2.FileDescriptorProto()
-        module.DESCRIPTOR.CopyToProto(file)
-        for message in file.message_type:
-            kept = [f for f in message.field if "feature" not in f.name]
-            del message.field[:]
-            message.field.extend(kept)
-        pool.Add(file)
-    older = message_factory.GetMessageClass(pool.FindMessageTypeByName("specpool.v1.VerifyResponse"))
+    older = _older_class("VerifyResponse", lambda f: "feature" not in f.name)
     parsed_old = older.FromString(response.SerializeToString())
     assert (parsed_old.accepted, list(parsed_old.tokens)) == (2, [7, 8, 9])
     assert "features" not in older.DESCRIPTOR.fields_by_name
     request = drafter.ProposeRequest(session_id="s", context_ids=[1, 2], k=3, features=features)
     assert pickle.loads(pickle.dumps(request)) == request  # Ray's actor transport pickles messages
+
+
+def _older_class(name: str, keep):
+    """Message ``name`` as a reader whose schema predates some fields (those ``keep`` rejects), built
+    in a descriptor pool of its own from the three service protos."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (_pb2("common"), _pb2("drafter"), _pb2("target")):  # target.proto imports the other two
+        file = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(file)
+        for message in file.message_type:
+            kept = [f for f in message.field if keep(f)]
+            del message.field[:]
+            message.field.extend(kept)
+        pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"specpool.v1.{name}"))
+
+
+def test_hosted_drafts_are_new_fields_that_older_peers_skip_and_newer_ones_default():
+    """The hosted-drafter fields (specpool/router/hosted.py) take new numbers: an older target skips a
+    request's ``hosted`` part (the router checks the target's Info before sending one), and a
+    response of an older target has no ``drafted`` (the router then fails the round, not guesses)."""
+    target = _pb2("target")
+    numbers = {(m.DESCRIPTOR.name, f.name): f.number for m in (target.VerifyRequest, target.VerifyResponse)
+               for f in m.DESCRIPTOR.fields if f.name in ("hosted", "drafted")}
+    assert numbers == {("VerifyRequest", "hosted"): 10, ("VerifyResponse", "drafted"): 8}
+    request = target.VerifyRequest(session_id="s", context_ids=[1, 2], hosted=target.HostedDraft(drafter="eagle:code", k=5,
+                                                                                                   feed=["eagle:code"]))
+    older = _older_class("VerifyRequest", lambda f: f.name != "hosted")
+    parsed = older.FromString(request.SerializeToString())
+    assert (parsed.session_id, list(parsed.context_ids)) == ("s", [1, 2]) and "hosted" not in older.DESCRIPTOR.fields_by_name
+    old_response = target.VerifyResponse(accepted=0, tokens=[3])
+    assert not target.VerifyResponse.FromString(old_response.SerializeToString()).HasField("drafted")
 
 
 def test_negative_token_ids_are_refused_at_construction():

@@ -12,7 +12,7 @@ import torch
 
 from cli_helpers import assert_one_line_error
 from specpool.drafters.base import Proposal
-from specpool.core.errors import (Cancelled, DeadlineExceeded, IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound,
+from specpool.core.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, IncompatibleModels, InvalidArgument, ModelUnavailable, NotFound,
                            SessionBusy, SpecpoolError, StoreUnavailable)
 from specpool.services import api, convert, serve_config
 from specpool.v1 import common_pb2, specpool_pb2
@@ -175,7 +175,7 @@ def test_a_targets_batches_stop_waiting_for_a_session_whose_request_ended(model_
         # What a batch of s1's verify leaves (@serve.batch runs only inside Serve: the integration
         # test tests/integration/test_served.py goes through it).
         request = VerifyRequest("s1", [1, 2, 3], [], [], SamplingParams(max_new_tokens=4))
-        target._model_thread.submit(target._run_batch, [request]).result()
+        target._model_thread.submit(target._run_batch, [(request, None)]).result()
         target._expected = {"s1"}
         assert (await target.Stats())["waiting_for"] == ["s1"]
         kept = await target.Release(common_pb2.ReleaseRequest(session_id="s1", keep_caches=True))
@@ -188,6 +188,82 @@ def test_a_targets_batches_stop_waiting_for_a_session_whose_request_ended(model_
         asyncio.run(scenario())
     finally:
         target._model_thread.shutdown()
+
+
+def test_a_target_that_hosts_a_drafter_drafts_inside_its_verify_batch(model_dirs, home, monkeypatch, torch_threads_restored):
+    """TargetArgs.hosted_drafters (specpool/router/hosted.py): the target replica loads the drafter on its
+    model thread, lists it in Info, drafts with it in a verify batch beside a round that carries its
+    own draft, answers with the proposal on the wire, and frees the drafter's session with its own."""
+    import asyncio
+
+    from specpool.router.hosted import HostedDraft
+    from specpool.services import serve_app
+
+    monkeypatch.setenv("SPECPOOL_HOME", str(home))
+    name = f"hf:{model_dirs.noisy}"
+    target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target), hosted_drafters=(name,)))
+    try:
+        assert target.info["hosted"] == {name: {"tokenizer_fingerprint": target.verifier.tokenizer_fingerprint,
+                                                "feature_width": 0, "tree_nodes": 0}}
+        params = SamplingParams(max_new_tokens=8)
+        hosted = VerifyRequest("h", [1, 2, 3, 4], [], [], params)
+        own = VerifyRequest("o", [1, 2, 3, 4], [5], [SparseDist.one_hot(5)], params)
+        (proposal, result), (own_proposal, own_result) = target._model_thread.submit(
+            target._run_batch, [(hosted, HostedDraft(name, 3)), (own, None)]).result()
+        assert 1 <= len(proposal.tokens) <= 3 and len(result.tokens) == result.accepted + 1
+        assert own_proposal.tokens == [5] and len(own_result.tokens) == own_result.accepted + 1
+        response = convert.verify_result_to_proto(result, drafted=proposal)
+        assert convert.proposal_from_proto(response.drafted).tokens == proposal.tokens
+        drafter = target.hosting.drafters[name]
+        assert "h" in drafter.caches.sessions()
+        assert (asyncio.run(target.Release(common_pb2.ReleaseRequest(session_id="h")))).released
+        assert "h" not in drafter.caches.sessions()
+        assert (asyncio.run(target.Stats()))["hosted_draft_failures"] == 0
+    finally:
+        target._model_thread.shutdown()
+
+
+def test_a_hosted_draft_on_the_wire_round_trips_and_bad_ones_are_refused():
+    from specpool.router.hosted import HostedDraft
+
+    request = VerifyRequest("s", [1, 2], [], [], SamplingParams())
+    msg = convert.verify_request_to_proto(request, HostedDraft("lookup:eagle:general", 5, True, ("lookup:eagle:general", "eagle:code")))
+    assert convert.hosted_draft_from_proto(msg) == HostedDraft("lookup:eagle:general", 5, True, ("lookup:eagle:general", "eagle:code"))
+    assert convert.hosted_draft_from_proto(convert.verify_request_to_proto(request)) is None
+    feed_only = convert.verify_request_to_proto(request, HostedDraft(None, feed=("eagle:code",)))
+    assert convert.hosted_draft_from_proto(feed_only) == HostedDraft(None, 0, False, ("eagle:code",))
+    with pytest.raises(InvalidArgument, match="k in 1..32"):
+        convert.hosted_draft_from_proto(convert.verify_request_to_proto(request, HostedDraft("eagle:code", 0)))
+    drafted = convert.verify_request_to_proto(VerifyRequest("s", [1], [5], [SparseDist.one_hot(5)], SamplingParams()),
+                                              HostedDraft("eagle:code", 3))
+    with pytest.raises(InvalidArgument, match="carries no draft tokens"):
+        convert.hosted_draft_from_proto(drafted)
+
+
+def test_the_router_reads_a_hosted_drafts_proposal_and_refuses_a_target_that_drafted_none():
+    from specpool.router.hosted import HostedDraft
+    from specpool.services.remote import RemoteVerifier
+    from specpool.v1 import target_pb2
+
+    sent = []
+
+    class Caller:
+        def __init__(self, drafted: bool):
+            self.drafted = drafted
+
+        def call(self, method, message, session_id="", timeout_s=None):
+            sent.append(message)
+            response = target_pb2.VerifyResponse(accepted=1, tokens=[7, 9], tv=[0.0])
+            if self.drafted:
+                response.drafted.CopyFrom(convert.proposal_to_proto(Proposal([7], [SparseDist.one_hot(7)], 0.004)))
+            return response
+
+    request = VerifyRequest("s", [1, 2], [], [], SamplingParams())
+    proposal, result = RemoteVerifier(Caller(True)).draft_and_verify(request, HostedDraft("eagle:code", 3, feed=("eagle:code",)))
+    assert proposal.tokens == [7] and proposal.forward_s == 0.004 and result.tokens == [7, 9]
+    assert convert.hosted_draft_from_proto(sent[-1]) == HostedDraft("eagle:code", 3, False, ("eagle:code",))
+    with pytest.raises(FailedPrecondition, match="did not draft with hosted drafter 'eagle:code'"):
+        RemoteVerifier(Caller(False)).draft_and_verify(request, HostedDraft("eagle:code", 3))
 
 
 def test_the_routers_end_of_request_notice_is_a_keep_caches_release_sent_without_waiting():
@@ -288,7 +364,7 @@ def test_white_box_drafters_deploy_like_any_drafter_spec():
 
     long_path = "/srv/" + "heads/" * 20 + "code"
     pool = ["eagle:/tmp/heads/t1", "lookup:eagle:/tmp/heads/t1", f"eagle:{long_path}", f"eagle:{long_path}2"]
-    args = build_parser().parse_args(["serve", "--pool", ",".join(pool), "--feature-dtype", "bfloat16"])
+    args = build_parser().parse_args(["serve", "--pool", ",".join(pool), "--feature-dtype", "bfloat16", "--no-host-heads"])
     config, _ = serve_config_from_args(args)
     plan = plan_from_config(config)
     names = [a.name for a in plan.apps]
@@ -301,6 +377,37 @@ def test_white_box_drafters_deploy_like_any_drafter_spec():
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(config)  # Serve itself accepts the names
+
+
+def test_by_default_the_target_hosts_the_pools_white_box_heads():
+    """``specpool serve --pool eagle:A,ngram,lookup:eagle:B``: the target application hosts both heads
+    (specpool/router/hosted.py), the router maps them to it, only ngram gets a drafter application;
+    a head mapped to a target that does not host it, and a hosted head with feedback, are refused."""
+    from specpool.cli.main import build_parser
+    from specpool.cli.served import serve_config_from_args
+
+    pool = ["eagle:/h/a", "ngram", "lookup:eagle:/h/b"]
+    config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", ",".join(pool)]))
+    plan = plan_from_config(config)
+    assert [a.name for a in plan.apps] == ["target", "drafter-ngram", "router"]
+    assert TargetArgs.parse(plan.apps[0].args).hosted_drafters == ("eagle:/h/a", "lookup:eagle:/h/b")
+    router = RouterArgs.parse(plan.router.args)
+    assert router.pool == pool and dict(router.drafter_apps) == {"eagle:/h/a": "target", "ngram": "drafter-ngram",
+                                                                 "lookup:eagle:/h/b": "target"}
+    assert serve_config.is_white_box_spec("lookup:lookup:eagle-tree:x") and not serve_config.is_white_box_spec("lookup:code")
+    target = config["applications"][1]
+    target["args"]["hosted_drafters"] = ["eagle:/h/a"]
+    with pytest.raises(InvalidArgument, match="hosted_drafters do not include 'lookup:eagle:/h/b'"):
+        plan_from_config(config)
+    target["args"]["hosted_drafters"] = ["eagle:/h/a", "eagle:/h/a"]
+    with pytest.raises(InvalidArgument, match="names a drafter twice"):
+        plan_from_config(config)
+    target["args"]["hosted_drafters"] = ["eagle:/h/a", "lookup:eagle:/h/b"]
+    config["applications"][0]["args"]["feedback"] = True
+    with pytest.raises(InvalidArgument, match="hosted by the target, which serves its shipped weights"):
+        plan_from_config(config)
+    with pytest.raises(InvalidArgument, match="with --config, set it in"):
+        serve_config_from_args(build_parser().parse_args(["serve", "--config", "x.yaml", "--no-host-heads"]))
 
 
 def test_the_kubernetes_serve_config_is_a_valid_plan():
@@ -579,6 +686,10 @@ def test_bench_served_time_split():
     assert sum(split[p] for p in parts) == pytest.approx(split["wall_s"])  # the parts add up to the whole
     # A forward timed longer than its call (clock granularity) never gives a negative part.
     assert time_split(rounds=1, wall_s=1, loop_s=1, draft_s=0.1, draft_forward_s=0.2, verify_s=0, verify_forward_s=0)["draft_reach_s"] == 0
+    # A head the target hosts drafts inside the verify call: its forward is taken out of reaching the target.
+    hosted = time_split(rounds=4, wall_s=1.0, loop_s=0.9, draft_s=0.001, draft_forward_s=0.1, verify_s=0.8, verify_forward_s=0.6)
+    assert hosted["verify_reach_s"] == pytest.approx(0.101) and hosted["draft_reach_s"] == 0
+    assert sum(hosted[p] for p in parts) == pytest.approx(hosted["wall_s"])
     other = time_split(rounds=6, wall_s=2.0, loop_s=2.0, draft_s=0.0, draft_forward_s=0.0, verify_s=1.0, verify_forward_s=1.0)
     pooled = split_per_round([split, other])
     assert pooled["rounds"] == 10 and pooled["total_s"] == pytest.approx(0.3)
@@ -624,8 +735,12 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     assert code == 0, err
     apps = {a["name"]: a for a in yaml.safe_load(out)["applications"]}
     pool = default_pool()
-    assert apps["router"]["args"]["drafter_apps"] == {name: drafter_app_name(name) for name in pool}
-    assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool] == pool
+    # The heads hosted by the target (serve_config.DEFAULT_HOST_WHITE_BOX), the rest an application each.
+    hosted = [name for name in pool if serve_config.DEFAULT_HOST_WHITE_BOX and serve_config.is_white_box_spec(name)]
+    assert apps["router"]["args"]["drafter_apps"] == {name: "target" if name in hosted else drafter_app_name(name) for name in pool}
+    assert apps["target"]["args"].get("hosted_drafters", []) == hosted
+    assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool if name not in hosted] == [n for n in pool if n not in hosted]
+    assert "ngram" in pool and "ngram" not in hosted
     assert pool[0] == "lookup:eagle:general"
     # A request that names no policy gets the fastest measured configuration; the pool is there for
     # a request that names one. Over a pool given on the command line: the bandit.
