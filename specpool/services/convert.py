@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpool.drafters.base import Proposal
-from specpool.core.errors import FailedPrecondition, InvalidArgument, check
+from specpool.core.errors import FailedPrecondition, check
 from specpool.router.hosted import HostedDraft
 from specpool.router.session_store import TENANT_PATTERN
 from specpool.services.api import decimal_float

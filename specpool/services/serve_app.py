@@ -45,7 +45,11 @@ How the pieces talk (see also ``specpool/services/remote.py``):
   args: bfloat16 too), keeps them per session and sends each such deployment the rows it has
   not yet seen with its next Propose or Replay ((a + 1) x 1,152 bytes a round for the default
   target; ``specpool/services/remote.py``). A deployment that lost them answers
-  FAILED_PRECONDITION with the position to resend from; the router resends once.
+  FAILED_PRECONDITION with the position to resend from; the router resends once. Or the target
+  hosts them (``hosted_drafters`` in its args, the default of ``specpool serve``): the router maps
+  those names to the target application, and a round is one ``Verify`` naming the arm, drafted and
+  verified on the target's model thread with its features read in process
+  (``specpool/router/hosted.py``).
 - **Deadlines and cancellation**: a client's deadline or cancel makes the gRPC proxy cancel the
   router's request; the router then stops its loop before the next round and releases the
   session's KV caches in the target and every drafter it used (``Orchestrator.run``,
@@ -502,6 +506,9 @@ class RouterServer:
         target = serve.get_deployment_handle("Target", app_name=args.target_app)
         info = await target.options(method_name="Info").remote()
         hosted = {name for name, app in args.drafter_apps if app == args.target_app}  # drafted inside Verify
+        if hosted and args.feedback:  # also checked in plan_from_config; a config given to Serve directly skips that
+            raise FailedPrecondition(f"drafters {', '.join(sorted(hosted))} are hosted by the target, which serves shipped weights "
+                                     "and sends no features with feedback records; with feedback: true give them drafter applications")
         drafter_handles = {name: serve.get_deployment_handle("Drafter", app_name=app) for name, app in args.drafter_apps
                            if name not in hosted}
         node = ray.get_runtime_context().get_node_id()
