@@ -385,7 +385,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     from specpool.services.client import SpecPoolClient
     from specpool.services.engine import default_policy, default_pool
     from specpool.services.local_serve import start_local
-    from specpool.services.serve_config import DEFAULT_HOST_WHITE_BOX, default_serve_config, plan_from_config
+    from specpool.services.serve_config import default_serve_config, plan_from_config
     from specpool.target.sampling import validate_draft_length
 
     questions = load_questions(Path(args.prompts), args.limit_per_category)
@@ -404,7 +404,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k,
-                                  host_white_box=DEFAULT_HOST_WHITE_BOX if args.host_heads is None else args.host_heads)
+                                  host_white_box=args.host_heads)
     namespace = f"specpool-bench-{uuid.uuid4().hex[:8]}"  # the run's own Redis keys, deleted at the end
     for app in config["applications"]:
         if app["name"] == "target":

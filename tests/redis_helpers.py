@@ -15,3 +15,10 @@ def connect_or_skip(decode_responses: bool = False) -> redis.Redis:
     except redis.ConnectionError as exc:
         pytest.skip(f"no Redis at {URL} ({exc}); start redis-server to run these tests")
     return client
+
+
+def delete_namespace(client: redis.Redis, namespace: str) -> None:
+    """Delete every key a test's server wrote under ``namespace`` (its session, tenant and stream keys)."""
+    stale = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if stale:
+        client.delete(*stale)

@@ -135,7 +135,6 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         config, source = load_serve_config(Path(args.config)), args.config
     else:
         from specpool.services.engine import default_policy, default_pool
-        from specpool.services.serve_config import DEFAULT_HOST_WHITE_BOX
 
         pool = [p.strip() for p in args.pool.split(",") if p.strip()] if args.pool is not None else default_pool()
         check(bool(pool), "--pool is empty; give drafter names such as ngram,code,math")
@@ -144,8 +143,7 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=policy,
                                       k=args.k if args.k is not None else 5,
                                       feature_dtype=getattr(args, "feature_dtype", None) or "float16",
-                                      host_white_box=DEFAULT_HOST_WHITE_BOX if getattr(args, "host_heads", None) is None
-                                      else args.host_heads)
+                                      host_white_box=getattr(args, "host_heads", None))
         source = "the default config"
     if args.port is not None:
         check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")

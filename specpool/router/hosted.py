@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from specpool.core.errors import FailedPrecondition, NotFound, SpecpoolError
-from specpool.drafters.base import CostMeter, Drafter, Proposal, TreeDrafter, reads_features
+from specpool.drafters.base import CostMeter, Drafter, Proposal, TreeDrafter, WhiteBox, reads_features
 from specpool.target.features import FeatureGap
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
@@ -184,22 +184,37 @@ class HostingVerifier:
             return Proposal([], [])
 
     def _fed(self, request: VerifyRequest, draft: HostedDraft | None, result: VerifyResult) -> VerifyResult:
-        """Hand the round's features to the session's hosted heads. A head missing rows before the
-        first one the target fed (``FeatureGap``: it evicted the session, or the session's earlier
-        requests had no hosted head) gets them all: the round is verified again from an empty cache,
-        as the loop does for heads of its own (``loop._hand_features``): same round, same outcome."""
+        """Hand the round's features to the session's hosted heads, as the loop does for heads of its
+        own (``hand_features``: a head missing earlier rows gets the round re-verified in full)."""
         if draft is None or not draft.feed:
             return result
         heads = [self.drafters[name] for name in draft.feed if reads_features(self.drafters[name])]
-        if heads:
-            if result.features is None:
-                raise FailedPrecondition("the target returned no features for its hosted heads")
-            try:
-                for head in heads:
-                    head.observe_features(request.session_id, result.features)
-            except FeatureGap:
-                self.verifier.release(request.session_id)
-                result = self.verifier.verify(request)
-                for head in heads:
-                    head.observe_features(request.session_id, result.features)
-        return result
+        return hand_features(heads, self.verifier, request, result) if heads else result
+
+
+def hand_features(heads: Sequence[WhiteBox], verifier, request: VerifyRequest, result: VerifyResult) -> VerifyResult:
+    """Give every white-box drafter of ``heads`` the round's features; returns the round's result. The
+    loop (``speculative_generate``) calls it for the heads it holds, ``HostingVerifier`` for those it hosts.
+
+    The target returns rows from the first position it fed, i.e. past the prefix it still had
+    cached for the session. A head that lacks rows before that (the session's earlier requests had
+    no white-box arm, or the head evicted the session) raises ``FeatureGap``: the round is then
+    verified again from an empty target cache (``verifier.release``, where the verifier has one),
+    which returns every row. Its outcome is the same round's (same logits up to float round-off,
+    same seeded draws): one extra prefill, no change."""
+    if result.features is None:
+        raise FailedPrecondition("the pool has white-box drafters but the target returned no features "
+                                 "(a target deployment too old to return them?)")
+    try:
+        for head in heads:
+            head.observe_features(request.session_id, result.features)
+    except FeatureGap:
+        if not callable(getattr(verifier, "release", None)):
+            raise
+        verifier.release(request.session_id)
+        result = verifier.verify(request)
+        if result.features is None:
+            raise FailedPrecondition("the target returned no features on a re-verified round") from None
+        for head in heads:
+            head.observe_features(request.session_id, result.features)
+    return result

@@ -14,8 +14,8 @@ import torch
 
 from specpool.drafters.base import Drafter, Proposal, Replayable, TreeDrafter, WhiteBox, reads_features
 from specpool.core.errors import FailedPrecondition
-from specpool.router.hosted import DraftingVerifier, HostedDraft, is_hosted
-from specpool.target.features import FeatureGap, FeatureLog, Features
+from specpool.router.hosted import DraftingVerifier, HostedDraft, hand_features, is_hosted
+from specpool.target.features import FeatureLog, Features
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import VerifyRequest, VerifyResult
 
@@ -157,33 +157,6 @@ def block_divergence(tv: list[float]) -> float | None:
 _EMPTY = Proposal([], [])
 
 
-def _hand_features(white_box: Sequence[WhiteBox], verifier: Verifier, request: VerifyRequest,
-                   result: VerifyResult) -> VerifyResult:
-    """Give every white-box drafter the round's features; returns the round's result.
-
-    The target returns rows from the first position it fed, i.e. past the prefix it still had
-    cached for the session. A head that lacks rows before that (the session's earlier requests had
-    no white-box arm, or the head evicted the session) raises ``FeatureGap``: the round is then
-    verified again from an empty target cache, which returns every row. Its outcome is the same
-    round's (same logits up to float round-off, same seeded draws): one extra prefill, no change."""
-    if result.features is None:
-        raise FailedPrecondition("the pool has white-box drafters but the target returned no features "
-                                 "(a target deployment too old to return them?)")
-    try:
-        for drafter in white_box:
-            drafter.observe_features(request.session_id, result.features)
-    except FeatureGap:
-        if not isinstance(verifier, SessionVerifier):
-            raise
-        verifier.release(request.session_id)
-        result = verifier.verify(request)
-        if result.features is None:
-            raise FailedPrecondition("the target returned no features on a re-verified round") from None
-        for drafter in white_box:
-            drafter.observe_features(request.session_id, result.features)
-    return result
-
-
 class _SeenFeatures:
     """The features one request has been handed, for its white-box rounds' feedback (float16,
     as they travel): rows from the first position the target fed, replaced from each round's start."""
@@ -305,7 +278,7 @@ def speculative_generate(
             result = verifier.verify(request)
         verified = time.perf_counter()
         if white_box:
-            result = _hand_features(white_box, verifier, request, result)
+            result = hand_features(white_box, verifier, request, result)
             if seen is not None:
                 seen.observe(result.features)
 

@@ -537,15 +537,16 @@ def default_serve_config(
     k: int = DEFAULT_K,
     cores: int | None = None,
     feature_dtype: str = "float16",
-    host_white_box: bool = DEFAULT_HOST_WHITE_BOX,
+    host_white_box: bool | None = None,
 ) -> dict:
     """The Serve config `specpool serve` runs without --config: the target and one application per
     drafter of ``pool`` on this machine's CPUs, the router as the gRPC ingress. Same shape as
     k8s/rayservice.yaml's serveConfigV2 (print it with `specpool serve --print-config`).
     ``host_white_box``: the target hosts the pool's white-box arms (``is_white_box_spec``) and drafts
-    with them in its verify call, instead of a drafter application each."""
+    with them in its verify call, instead of a drafter application each (None: DEFAULT_HOST_WHITE_BOX)."""
     cores = cores or os.cpu_count() or 1
-    hosted = [name for name in pool if host_white_box and is_white_box_spec(name)]
+    host = DEFAULT_HOST_WHITE_BOX if host_white_box is None else host_white_box
+    hosted = [name for name in pool if host and is_white_box_spec(name)]
     drafters = [
         {
             "name": drafter_app_name(name),

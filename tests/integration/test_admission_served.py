@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL, connect_or_skip, delete_namespace
 from serve_helpers import free_port as _free_port
 from specpool.services.api import request_to_proto
 from specpool.services.auth import add_key
@@ -46,9 +46,7 @@ def served(tmp_path_factory):
                           model=listing.json()["data"][0]["id"], metrics_url=local.metrics_url)
     channel.close()
     local.shutdown()
-    stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if stale:
-        raw_redis.delete(*stale)
+    delete_namespace(raw_redis, namespace)
     raw_redis.close()
 
 

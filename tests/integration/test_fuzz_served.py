@@ -40,7 +40,7 @@ from specpool.v1 import common_pb2, specpool_pb2
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL, connect_or_skip, delete_namespace
 from serve_helpers import free_port as _free_port
 
 POOL = ["ngram"]
@@ -80,9 +80,7 @@ def served(tmp_path_factory):
                               drafter=serve.get_deployment_handle("Drafter", app_name="drafter-ngram"))
     yield SimpleNamespace(local=local, address=local.address, http_url=local.http_url, keys=keys, handles=handles)
     local.shutdown()
-    stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if stale:
-        raw_redis.delete(*stale)
+    delete_namespace(raw_redis, namespace)
     raw_redis.close()
 
 

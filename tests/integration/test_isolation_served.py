@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from redis_helpers import URL
+from redis_helpers import URL, delete_namespace
 from serve_helpers import call as _call, free_port as _free_port, wait_until as _wait
 from specpool.core.errors import NotFound
 from specpool.services.auth import add_key
@@ -83,9 +83,7 @@ def served(raw_redis, tmp_path_factory):
     for client in clients.values():
         client.close()
     local.shutdown()
-    stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if stale:
-        raw_redis.delete(*stale)
+    delete_namespace(raw_redis, namespace)
 
 
 @pytest.fixture(scope="module")

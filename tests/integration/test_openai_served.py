@@ -29,7 +29,7 @@ from specpool.services.client import SpecPoolClient
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL, connect_or_skip, delete_namespace
 from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call
 
 POOL = ["ngram"]
@@ -63,9 +63,7 @@ def served(tmp_path_factory):
     yield SimpleNamespace(local=local, address=local.address, base_url=local.http_url, keys=keys, handles=handles,
                           metrics_url=local.metrics_url)
     local.shutdown()
-    stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if stale:
-        raw_redis.delete(*stale)
+    delete_namespace(raw_redis, namespace)
     raw_redis.close()
 
 

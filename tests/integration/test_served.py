@@ -28,7 +28,7 @@ from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL
+from redis_helpers import URL, delete_namespace
 from serve_helpers import free_port as _free_port, wait_until as _wait, call as _call, feedback_records, generate_concurrently
 POOL = ["ngram", "code"]
 MAX_NEW = 24
@@ -69,9 +69,7 @@ def served(raw_redis, tmp_path_factory):
     yield SimpleNamespace(local=local, address=local.address, namespace=namespace, handles=handles,
                           metrics_url=local.metrics_url, store=store)
     local.shutdown()
-    keys = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        raw_redis.delete(*keys)
+    delete_namespace(raw_redis, namespace)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL, connect_or_skip, delete_namespace
 from serve_helpers import call as _call, free_port as _free_port, generate_concurrently
 from test_served_white_box import PROMPTS, client  # noqa: F401 - the client fixture, over this module's server
 
@@ -49,9 +49,7 @@ def served():
                           router=serve.get_deployment_handle("Router", app_name="router"),
                           target=serve.get_deployment_handle("Target", app_name="target"))
     local.shutdown()
-    keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        raw.delete(*keys)
+    delete_namespace(raw, namespace)
     raw.close()
 
 

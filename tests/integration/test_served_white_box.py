@@ -25,7 +25,7 @@ from specpool.core.defaults import DEFAULT_TARGET
 
 pytestmark = pytest.mark.integration
 
-from redis_helpers import URL, connect_or_skip
+from redis_helpers import URL, connect_or_skip, delete_namespace
 from serve_helpers import free_port as _free_port, call as _call, feedback_records, generate_concurrently, wait_until as _wait
 
 MAX_NEW = 24
@@ -110,9 +110,7 @@ def served(head, tmp_path_factory):
         drafter=serve.get_deployment_handle("Drafter", app_name=drafter_app_name(pool[0])),
     )
     local.shutdown()
-    keys = list(raw.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        raw.delete(*keys)
+    delete_namespace(raw, namespace)
     raw.close()
 
 

@@ -63,7 +63,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def served(cluster, tmp_path_factory):
-    from redis_helpers import URL, connect_or_skip
+    from redis_helpers import URL, connect_or_skip, delete_namespace
     from specpool.services.local_serve import start_local
     from specpool.services.serve_config import default_serve_config, plan_from_config
 
@@ -81,9 +81,7 @@ def served(cluster, tmp_path_factory):
                         ray_address=cluster.nodes.address, progress=lambda m: print(f"[served] {m}", flush=True))
     yield local
     local.shutdown()
-    stale = list(raw_redis.scan_iter(match=f"{namespace}:*", count=1000))
-    if stale:
-        raw_redis.delete(*stale)
+    delete_namespace(raw_redis, namespace)
     raw_redis.close()
 
 
