@@ -1,9 +1,11 @@
 """The ``Drafter`` protocol: propose k tokens and the distributions they were drawn from; and the
 optional capabilities a drafter may have, as protocols checked with ``isinstance``: ``Replayable``
-(side observations) and ``PerRequestVersions`` (online-learned weights pinned per request)."""
+(side observations), ``PerRequestVersions`` (online-learned weights pinned per request),
+``TreeDrafter``, ``BatchDrafter`` (several sessions' drafts in one forward) and ``WhiteBox``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -81,6 +83,35 @@ class TreeDrafter(Protocol):
     def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         """A tree of at most ``tree_nodes`` nodes, at most ``k`` deep, in parent-first order."""
         ...
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One session's ask of a drafter: what ``Drafter.propose`` takes, as one value."""
+
+    session_id: str
+    context_ids: list[int]
+    k: int
+    params: SamplingParams
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter that drafts several sessions' chains at once: one model forward per draft step
+    over all of them, where one session after another costs a forward each. The target's host
+    (``specpool/router/hosted.py``) asks it for every session of a verify batch that plays it."""
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """Proposal i is what ``propose`` would return for request i (up to the float round-off of
+        a batched forward; each q is still exactly the one its token was drawn from)."""
+        ...
+
+
+def propose_many(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Proposal]:
+    """Chains for ``requests``: batched where ``drafter`` can, one after another otherwise."""
+    if isinstance(drafter, BatchDrafter):
+        return drafter.propose_batch(requests)
+    return [drafter.propose(r.session_id, r.context_ids, r.k, r.params) for r in requests]
 
 
 @runtime_checkable

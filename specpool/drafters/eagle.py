@@ -24,15 +24,17 @@ import json
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
-from specpool.drafters.base import CostMeter, Proposal, leading_matches
+from specpool.drafters.base import CostMeter, DraftRequest, Proposal, leading_matches
 from specpool.drafters.eagle_model import EagleConfig, EagleHead
 from specpool.drafters.hf_model import confidence_stop, proposal_dist, sample_draft
 from specpool.drafters.registry import DrafterContext, register_drafter, register_name_resolver
@@ -43,6 +45,7 @@ from specpool.target.models import resolve_model
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 from specpool.target.tree import ROOT
+from specpool.target.verifier import plan_forwards
 
 SHIPPED_DIR = Path(__file__).parent / "heads"
 MANIFEST = SHIPPED_DIR / "manifest.json"  # file hashes and reference acceptance (specpool zoo manifest)
@@ -56,6 +59,10 @@ DEFAULT_ALT_MIN_PROB = 0.15
 DEFAULT_TREE_NODES = 16
 DEFAULT_TREE_BEAM = 4
 DEFAULT_TREE_MIN_PROB = 0.0
+# ``propose_batch``: sessions catching up on similar numbers of positions share a padded head
+# forward; a pad costs a position's compute, another forward a pass over the head's weights, which
+# on a CPU takes about as long as a few positions' compute (``plan_forwards``).
+HEAD_SPLIT_COST_TOKENS = 8
 
 
 def shipped_heads() -> list[str]:
@@ -209,6 +216,18 @@ class EagleDrafter:
     def _catch_up(self, session_id: str, context_ids: list[int]) -> tuple[HeadSession, torch.Tensor] | None:
         """Feed the head the context positions it has not seen; returns the session and the head's
         guess of f_{n-1} (d,), the source of the first draft token; None without features."""
+        unseen = self._unseen(session_id, context_ids)
+        if unseen is None:
+            return None
+        session, inputs, feats = unseen
+        guess = self.head(inputs.unsqueeze(0), feats.unsqueeze(0), session.cache)[0, -1]  # (d,): the head's f^_{n-1}
+        session.tokens.extend(inputs.tolist())
+        return session, guess
+
+    def _unseen(self, session_id: str, context_ids: list[int]) -> tuple[HeadSession, torch.Tensor, torch.Tensor] | None:
+        """The session, cropped to the head positions that stay, and what the head must still read:
+        the tokens (T,) and the target's features (T, d) of positions m .. n-2; None without
+        features. The caller feeds them and then records them in ``tokens``."""
         n = len(context_ids)
         session = self._sessions.get(session_id)  # not created here: a session without features would evict one with
         if session is None or n < 2 or len(session.features) < n - 1:
@@ -218,11 +237,9 @@ class EagleDrafter:
         # again, so the head's output at position n-2 (the first draft's source) is at hand.
         m = min(common_prefix_length(session.tokens, context_ids[1:n]), n - 2)
         session.crop(m)
-        inputs = torch.tensor([context_ids[m + 1:n]], dtype=torch.long, device=self.head.device)  # (1, n-1-m)
-        feats = session.features.rows(m, n - 1).unsqueeze(0)  # (1, n-1-m, d): f_m .. f_{n-2}
-        guess = self.head(inputs, feats, session.cache)[0, -1]  # (d,): the head's f^_{n-1}
-        session.tokens.extend(context_ids[m + 1:n])
-        return session, guess
+        inputs = torch.tensor(context_ids[m + 1:n], dtype=torch.long, device=self.head.device)  # (n-1-m,)
+        feats = session.features.rows(m, n - 1)  # (n-1-m, d): f_m .. f_{n-2}
+        return session, inputs, feats
 
     @torch.inference_mode()
     def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams,
@@ -340,6 +357,79 @@ class EagleDrafter:
         proposal = self._draft(session_id, context_ids, k, params)
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """``specpool.drafters.base.BatchDrafter``: the chains ``propose`` drafts, for several sessions
+        at once. The target hosting this head (``specpool/router/hosted.py``) drafts for every session
+        of a verify batch; one after another, each draft step is a forward of one row, and a
+        one-block head's forward costs about the same for one row as for eight (it reads its
+        weights and the output head's once either way). Here the catch-up is one padded forward
+        per group of similar widths (``plan_forwards``: a session's first drafted round, which
+        reads its whole prompt, does not widen the others), then each draft step is one forward
+        over the sessions still drafting; each stops where ``propose`` would (its k, its
+        confidence stop). A session twice in one batch drafts one request after another.
+
+        Each proposal's ``forward_s`` (and the cost meter's record) is an equal share of the
+        batch's wall time, so the shares add up to the time spent."""
+        if len(requests) < 2 or len({r.session_id for r in requests}) < len(requests):
+            return [self.propose(r.session_id, r.context_ids, r.k, r.params) for r in requests]
+        started = time.perf_counter()
+        unseen = [self._unseen(r.session_id, r.context_ids) if r.k > 0 else None for r in requests]
+        rows = [i for i, u in enumerate(unseen) if u is not None]  # requests the head drafts for
+        try:
+            tokens, q = self._draft_rows(requests, unseen, rows)
+        except BaseException:
+            for i in rows:  # a half-done batch leaves no cache out of step with its tokens: read again next round
+                unseen[i][0].crop(0)
+            raise
+        share = (time.perf_counter() - started) / len(requests)
+        proposals = [Proposal(tokens.get(i, []), q.get(i, []), share if i in tokens else 0.0) for i in range(len(requests))]
+        for proposal in proposals:
+            self.cost.record(share, len(proposal.tokens))
+        return proposals
+
+    def _draft_rows(self, requests: Sequence[DraftRequest], unseen: list, rows: list[int]
+                    ) -> tuple[dict[int, list[int]], dict[int, list[SparseDist]]]:
+        """``propose_batch``'s drafting: the tokens and q of each request in ``rows``."""
+        guesses: dict[int, torch.Tensor] = {}  # request -> the head's current guess (d,)
+        for group in plan_forwards([len(unseen[i][1]) for i in rows], HEAD_SPLIT_COST_TOKENS):
+            members = [rows[j] for j in group]
+            outputs = self._forward_rows([(unseen[i][1], unseen[i][2]) for i in members], [unseen[i][0] for i in members])
+            guesses.update(zip(members, outputs))
+            for i in members:
+                unseen[i][0].tokens.extend(unseen[i][1].tolist())
+        tokens: dict[int, list[int]] = {i: [] for i in rows}
+        q: dict[int, list[SparseDist]] = {i: [] for i in rows}
+        active = list(rows)
+        for step in range(max((requests[i].k for i in rows), default=0)):
+            logits = self.head.reduced_logits(torch.stack([guesses[i] for i in active]))  # (A, V_r)
+            going = []
+            for row, i in enumerate(active):
+                r = requests[i]
+                dist = proposal_dist(logits[row], r.params, self.top_k, self.output_ids)
+                tokens[i].append(sample_draft(dist, r.params, len(r.context_ids) + step))
+                q[i].append(dist)
+                if step + 1 < r.k and not confidence_stop(logits[row], step, r.k, self.confidence_threshold):
+                    going.append(i)
+            if not going:
+                break
+            fed = [(torch.tensor([tokens[i][-1]], device=self.head.device), guesses[i].view(1, -1)) for i in going]
+            guesses.update(zip(going, self._forward_rows(fed, [unseen[i][0] for i in going])))
+            active = going
+        for i in rows:
+            unseen[i][0].crop(len(requests[i].context_ids) - 1)  # draft positions read guessed features
+        return tokens, q
+
+    def _forward_rows(self, fed: list[tuple[torch.Tensor, torch.Tensor]], sessions: list[HeadSession]) -> list[torch.Tensor]:
+        """One padded head forward; ``fed``: each row's tokens (T_i,) and features (T_i, d). Returns
+        each row's guess at its last real position (d,)."""
+        lengths = [len(ids) for ids, _ in fed]
+        width = max(lengths)
+        inputs = torch.stack([F.pad(ids, (0, width - len(ids))) for ids, _ in fed])  # (B, T)
+        feats = torch.stack([F.pad(f, (0, 0, 0, width - len(f))) for _, f in fed])  # (B, T, d)
+        out = self.head.forward_rows(inputs, feats, [s.cache for s in sessions], lengths)  # (B, T, d)
+        return [out[row, n - 1] for row, n in enumerate(lengths)]
 
     def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
                params: SamplingParams) -> int | None:

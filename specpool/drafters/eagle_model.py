@@ -116,6 +116,18 @@ class EagleHead(nn.Module):
             self._reduced_index = vocabulary_index(self.vocab_ids, self.vocab_size)
         return self._reduced_index
 
+    def fused_inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The block's input (B, T, d): the token embedding and the feature (with the target's other
+        layers where ``features`` carries them), fused."""
+        x = F.embedding(input_ids, self.embedding)  # (B, T, d)
+        d = self.config.hidden_size
+        features = features.to(x.dtype)
+        x = self.fuse(torch.cat([x, self.feature_norm(features[..., :d])], dim=-1))  # (B, T, d)
+        if features.shape[-1] > d:  # the target's other layers, one norm each
+            layers = features[..., d:].unflatten(-1, (len(self.config.feature_layers), d))  # (B, T, E, d)
+            x = x + self.layer_fuse(torch.cat([n(layers[..., i, :]) for i, n in enumerate(self.layer_norms)], dim=-1))
+        return x
+
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, cache: KVCache | None = None,
                 start: int | None = None) -> torch.Tensor:
         """Predicted next features (B, T, d) for head positions start .. start+T-1, whose inputs are
@@ -126,17 +138,26 @@ class EagleHead(nn.Module):
         if start is None:
             start = cache.get_seq_length() if cache is not None else 0
         T = input_ids.shape[1]
-        x = F.embedding(input_ids, self.embedding)  # (B, T, d)
-        d = self.config.hidden_size
-        features = features.to(x.dtype)
-        x = self.fuse(torch.cat([x, self.feature_norm(features[..., :d])], dim=-1))  # (B, T, d)
-        if features.shape[-1] > d:  # the target's other layers, one norm each
-            layers = features[..., d:].unflatten(-1, (len(self.config.feature_layers), d))  # (B, T, E, d)
-            x = x + self.layer_fuse(torch.cat([n(layers[..., i, :]) for i, n in enumerate(self.layer_norms)], dim=-1))
+        x = self.fused_inputs(input_ids, features)  # (B, T, d)
         cos, sin = rope_tables(self.config, torch.arange(start, start + T, device=x.device))  # type: ignore[arg-type]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin, cache)
+        return self.norm(x)
+
+    def forward_rows(self, input_ids: torch.Tensor, features: torch.Tensor, caches: list[KVCache],
+                     lengths: list[int]) -> torch.Tensor:
+        """``forward`` for B sessions at once (``Block.forward_rows``): row i of ``input_ids`` (B, T)
+        and ``features`` (B, T, d) feeds its first ``lengths[i]`` positions after those ``caches[i]``
+        holds; padded positions' outputs (B, T, d) mean nothing."""
+        T = input_ids.shape[1]
+        x = self.fused_inputs(input_ids, features)  # (B, T, d)
+        starts = torch.tensor([cache.get_seq_length() for cache in caches], device=x.device)  # (B,)
+        positions = (starts[:, None] + torch.arange(T, device=x.device)[None, :]).flatten()  # (B * T,)
+        cos, sin = rope_tables(self.config, positions)  # type: ignore[arg-type]
+        cos, sin = cos.view(len(caches), T, -1).to(x.dtype), sin.view(len(caches), T, -1).to(x.dtype)
+        for block in self.blocks:
+            x = block.forward_rows(x, cos, sin, caches, lengths)
         return self.norm(x)
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:

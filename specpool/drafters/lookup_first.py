@@ -15,8 +15,10 @@ draft length to its own acceptance, as the plain n-gram drafter does.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from specpool.drafters.base import CostMeter, Drafter, Proposal, Replayable, TreeDrafter, WhiteBox, leading_matches
+from specpool.drafters.base import (CostMeter, DraftRequest, Drafter, Proposal, Replayable, TreeDrafter, WhiteBox,
+                                    leading_matches, propose_many)
 from specpool.drafters.ngram import NGramDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter, register_drafter
 from specpool.core.errors import InvalidArgument
@@ -59,6 +61,22 @@ class LookupFirstDrafter:
             self.inner_rounds += 1
         self.cost.record(time.perf_counter() - started, len(proposal.tokens))
         return proposal
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """``specpool.drafters.base.BatchDrafter``: lookup for each session, then the inner drafter for
+        those lookup does not answer, batched where it can (``propose_many``). Each proposal's cost
+        record is an equal share of the batch's wall time."""
+        started = time.perf_counter()
+        proposals = [self.lookup.propose(r.session_id, r.context_ids, r.k, r.params) for r in requests]
+        unanswered = [i for i, p in enumerate(proposals) if not p.tokens]
+        self.lookup_rounds += len(requests) - len(unanswered)
+        self.inner_rounds += len(unanswered)
+        for i, proposal in zip(unanswered, propose_many(self.inner, [requests[i] for i in unanswered])):
+            proposals[i] = proposal
+        share = (time.perf_counter() - started) / max(len(requests), 1)
+        for proposal in proposals:
+            self.cost.record(share, len(proposal.tokens))
+        return proposals
 
     def replay(self, session_id: str, context_ids: list[int], continuation: list[int], k: int,
                params: SamplingParams) -> int | None:

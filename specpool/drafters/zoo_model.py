@@ -170,6 +170,46 @@ class Block(nn.Module):
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                     lengths: list[int]) -> torch.Tensor:
+        """Rows of different sessions in one forward (a drafter hosted by the target drafting for a
+        verify batch). Row i feeds its first ``lengths[i]`` of the T positions of ``x`` (B, T, d)
+        after the positions ``caches[i]`` holds; the rest is padding, whose outputs mean nothing
+        and whose keys no cache keeps. ``cos``/``sin`` (B, T, D): each row's own positions.
+
+        Each row's output equals ``forward`` on that row alone with its cache, up to float
+        round-off: the keys are right-padded to the longest row and masked, so a query sees its
+        own row's cached positions and the new ones up to itself."""
+        B, T, _ = x.shape
+        c = self.config
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = [], []
+        for i, (cache, n) in enumerate(zip(caches, lengths)):  # each cache keeps its row's real positions
+            row_k, row_v = cache.update(self.index, k[i:i + 1, :, :n], v[i:i + 1, :, :n])  # (1, KV, P_i + n, D)
+            keys.append(row_k)
+            values.append(row_v)
+        totals = torch.tensor([row.shape[2] for row in keys], device=x.device)  # (B,) P_i + n_i
+        width = int(totals.max())
+        k = torch.cat([F.pad(row, (0, 0, 0, width - row.shape[2])) for row in keys])  # (B, KV, L, D)
+        v = torch.cat([F.pad(row, (0, 0, 0, width - row.shape[2])) for row in values])
+        groups = c.num_heads // c.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)  # (B, H, L, D)
+        v = v.repeat_interleave(groups, dim=1)
+        # Query j of row i sees keys 0 .. P_i + j (its cached positions, then the new ones up to
+        # itself); a padded query (j >= n_i) sees its row's keys, so no row of the mask is empty.
+        past = totals - torch.tensor(lengths, device=x.device)  # (B,) P_i
+        limit = torch.minimum(past[:, None] + torch.arange(1, T + 1, device=x.device)[None, :], totals[:, None])  # (B, T)
+        mask = torch.arange(width, device=x.device)[None, None, :] < limit[:, :, None]  # (B, T, L)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
 
 class ZooLM(nn.Module):
     """Drafter network. ``embedding`` (V, d) is the target's, frozen; ``vocab_ids`` (V_r,) the

@@ -7,7 +7,9 @@ SGLang and TensorRT-LLM instead run the EAGLE head in the target's own worker. `
 does that here: it wraps the target's ``TargetVerifier`` with the drafters it hosts, and a round
 names the arm to draft (``HostedDraft``); it drafts, verifies the draft in the same forward batch
 as every other session's round, and hands the round's features to its hosted heads in process
-(nothing on the wire). The router sees such an arm as a ``HostedArm``, a stand-in that says who
+(nothing on the wire). The sessions of a batch that play one arm draft together where the arm can
+(``BatchDrafter``: one head forward per draft step for all of them, as vLLM's EAGLE proposer drafts
+for its whole batch). The router sees such an arm as a ``HostedArm``, a stand-in that says who
 drafts; ``speculative_generate`` then calls ``DraftingVerifier.draft_and_verify`` instead of the
 drafter and the verifier in turn. Same drafter, same context, same seeded draws: the same proposals
 and tokens as a drafter called on its own (``tests/unit/test_hosted.py``).
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from specpool.core.errors import FailedPrecondition, NotFound, SpecpoolError
-from specpool.drafters.base import CostMeter, Drafter, Proposal, TreeDrafter, WhiteBox, reads_features
+from specpool.drafters.base import (BatchDrafter, CostMeter, DraftRequest, Drafter, Proposal, TreeDrafter, WhiteBox,
+                                    reads_features)
 from specpool.target.features import FeatureGap
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
@@ -113,18 +116,19 @@ class HostingVerifier:
 
     def verify_batch(self, items: Sequence[tuple[VerifyRequest, HostedDraft | None]]
                      ) -> list[tuple[Proposal, VerifyResult] | SpecpoolError]:
-        """Draft each item's hosted arm (one session after another), verify all of them in one
+        """Draft each item's hosted arm (the chains of the sessions that play one arm together, in
+        one head forward per draft step where it can: ``BatchDrafter``), verify all of them in one
         batched forward, then give each session's hosted heads its features. A failed item's entry
         is its error; the others go on."""
         outcomes: list = [None] * len(items)
+        proposals = self._draft_all(items, outcomes)
         ready: list[tuple[int, VerifyRequest, Proposal, HostedDraft | None]] = []
         for i, (request, draft) in enumerate(items):
-            try:
-                proposal, request = self._drafted(request, draft)
-            except SpecpoolError as exc:
-                outcomes[i] = exc
-                continue
-            ready.append((i, request, proposal, draft))
+            if outcomes[i] is None:
+                proposal = proposals.get(i) or Proposal(
+                    list(request.draft_tokens), list(request.q),
+                    parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
+                ready.append((i, self._request_for(request, draft, proposal), proposal, draft))
         results = self.verifier.verify_batch([request for _, request, _, _ in ready]) if ready else []
         for (i, request, proposal, draft), result in zip(ready, results):
             if isinstance(result, BaseException):
@@ -152,36 +156,72 @@ class HostingVerifier:
             raise NotFound(f"this target hosts no drafter {name!r} (it hosts: {', '.join(sorted(self.drafters)) or 'none'})")
         return drafter
 
-    def _drafted(self, request: VerifyRequest, draft: HostedDraft | None) -> tuple[Proposal, VerifyRequest]:
-        """The round's proposal, and the request that verifies it (with features when hosted heads read them)."""
-        proposal = Proposal(list(request.draft_tokens), list(request.q),
-                            parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
+    def _draft_all(self, items: Sequence[tuple[VerifyRequest, HostedDraft | None]], outcomes: list) -> dict[int, Proposal]:
+        """The proposals of the items a hosted arm drafts (by item index). An invalid item gets its
+        error in ``outcomes`` before any work. Trees are drafted one session after another; the
+        chains of an arm's sessions go to it together (``propose_many``)."""
+        proposals: dict[int, Proposal] = {}
+        chains: dict[str, list[int]] = {}  # arm -> the items whose chains it drafts
+        for i, (request, draft) in enumerate(items):
+            if draft is None:
+                continue
+            try:
+                for name in draft.feed:
+                    self._arm(name)  # unknown names fail the round, before any work
+                if draft.drafter is None or draft.k <= 0:
+                    continue
+                drafter = self._arm(draft.drafter)
+                if request.draft_tokens:
+                    raise FailedPrecondition("a round drafted by a hosted arm carries no draft tokens of its own")
+            except SpecpoolError as exc:
+                outcomes[i] = exc
+                continue
+            if (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
+                    and self.verifies_trees):
+                proposals[i] = self._guarded(draft.drafter, lambda: drafter.propose_tree(
+                    request.session_id, request.context_ids, draft.k, request.params))
+            else:
+                chains.setdefault(draft.drafter, []).append(i)
+        for name, members in chains.items():
+            asks = [DraftRequest(items[i][0].session_id, items[i][0].context_ids, items[i][1].k, items[i][0].params)
+                    for i in members]
+            proposals.update(zip(members, self._chains(name, asks)))
+        return proposals
+
+    def _chains(self, name: str, asks: list[DraftRequest]) -> list[Proposal]:
+        """The arm's chains for ``asks``, as the loop would ask a drafter of its own for each. A batch
+        that fails is drafted again one session after another, so only a session whose own draft
+        fails loses it."""
+        drafter = self.drafters[name]
+        if isinstance(drafter, BatchDrafter) and len(asks) > 1:
+            try:
+                return drafter.propose_batch(asks)
+            except Exception:  # noqa: BLE001 - drafts are suggestions: fall back to one session at a time
+                logger.exception("hosted drafter %s failed on a batch of %d sessions; drafting them one by one",
+                                 name, len(asks))
+        return [self._guarded(name, lambda a=a: drafter.propose(a.session_id, a.context_ids, a.k, a.params))
+                for a in asks]
+
+    def _guarded(self, name: str, draft: Callable[[], Proposal]) -> Proposal:
+        """``draft()``, or no draft where it raises: a drafter that fails costs the round its draft (a
+        target-only round), never the request, as a drafter deployment that fails
+        (``specpool/services/remote.py``)."""
+        try:
+            return draft()
+        except Exception:  # noqa: BLE001 - a draft is only a suggestion: the round goes on without one
+            self.draft_failures += 1
+            logger.exception("hosted drafter %s failed; the round is verified without a draft", name)
+            return Proposal([], [])
+
+    @staticmethod
+    def _request_for(request: VerifyRequest, draft: HostedDraft | None, proposal: Proposal) -> VerifyRequest:
+        """The request that verifies ``proposal`` (with features when hosted heads read them)."""
         if draft is None:
-            return proposal, request
-        for name in draft.feed:
-            self._arm(name)  # unknown names fail the round, before any work
-        if draft.drafter is not None and draft.k > 0:
-            if request.draft_tokens:
-                raise FailedPrecondition("a round drafted by a hosted arm carries no draft tokens of its own")
-            proposal = self._propose(self._arm(draft.drafter), request, draft)
-        return proposal, dataclasses.replace(
+            return request
+        return dataclasses.replace(
             request, draft_tokens=list(proposal.tokens), q=list(proposal.q),
             tree_parents=proposal.parents if proposal.tokens else None,
             return_features=request.return_features or bool(draft.feed))
-
-    def _propose(self, drafter: Drafter, request: VerifyRequest, draft: HostedDraft) -> Proposal:
-        """The arm's proposal, exactly as the loop would ask a drafter of its own for it. A drafter that
-        fails costs the round its draft (a target-only round), never the request: as a drafter
-        deployment that fails (``specpool/services/remote.py``)."""
-        try:
-            if (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
-                    and self.verifies_trees):
-                return drafter.propose_tree(request.session_id, request.context_ids, draft.k, request.params)
-            return drafter.propose(request.session_id, request.context_ids, draft.k, request.params)
-        except Exception:  # noqa: BLE001 - a draft is only a suggestion: the round goes on without one
-            self.draft_failures += 1
-            logger.exception("hosted drafter %s failed; the round is verified without a draft", draft.drafter)
-            return Proposal([], [])
 
     def _fed(self, request: VerifyRequest, draft: HostedDraft | None, result: VerifyResult) -> VerifyResult:
         """Hand the round's features to the session's hosted heads, as the loop does for heads of its
