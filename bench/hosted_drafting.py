@@ -17,6 +17,16 @@ head having the target's features up to there. System A (``propose`` per session
 A B / B A from round to round (docs/ARCHITECTURE.md, "Measuring"); every round checks that both
 drafted the same tokens. k = 5, greedy, the head's confidence stop as served.
 
+Then the target's whole work under load, as the served target does it
+(``HostingVerifier.verify_batch``: draft, one batched verify forward, features to the hosted heads):
+``--stream-prompts`` prompts go through as many session slots as the largest ``--sessions``, a slot
+taking the next prompt once its answer is done, with the default served arm,
+``lookup:eagle:general``, hosted. Four systems, each with its own target caches and drafters, take
+turns batch by batch: drafting one session after another, batched, batched behind the load gate
+(``LoadGate``: a batch drafts only where drafting has measured faster than not, at its size), and
+the target alone. Each is timed while all its slots are busy. This is the served target's work without
+Ray, gRPC and the router, whose timings vary from run to run more than these differences.
+
 Writes results.json and report.md to --out.
 """
 
@@ -34,10 +44,13 @@ from bench.common import default_out, load_prompts, machine_info, summary
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.base import DraftRequest
 from specpool.drafters.eagle import EagleDrafter, head_folder, load_eagle_head
+from specpool.drafters.registry import DrafterContext, create_drafter
+from specpool.router.hosted import HostedDraft, HostingVerifier, LoadGate
 from specpool.services.config import settings_from_env
 from specpool.services.engine import EmbeddedEngine
 from specpool.target.features import Features
 from specpool.target.sampling import SamplingParams
+from specpool.target.verifier import TargetVerifier, VerifyRequest
 
 K = 5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=64)
@@ -92,6 +105,103 @@ def run_batch(head, metadata, seqs, rounds: int, progress: tqdm) -> dict:
     }
 
 
+class OneAfterAnother:
+    """A drafter without ``propose_batch``: the host then drafts its sessions one after another."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name, self.tokenizer_fingerprint, self.cost = inner.name, inner.tokenizer_fingerprint, inner.cost
+        self.feature_width = inner.feature_width
+
+    def propose(self, session_id, context_ids, k, params):
+        return self.inner.propose(session_id, context_ids, k, params)
+
+    def observe_features(self, session_id, features):
+        self.inner.observe_features(session_id, features)
+
+    def release(self, session_id):
+        self.inner.release(session_id)
+
+
+STREAM_SYSTEMS = {  # name -> (batched drafting, load gate, drafts at all)
+    "drafting one session after another": (False, False, True),
+    "drafting batched": (True, False, True),
+    "drafting batched, load gate": (True, True, True),
+    "target only": (False, False, False),
+}
+
+
+def run_stream(engine, texts: list[str], slots: int, new_tokens: int, progress: tqdm) -> dict:
+    """Every system answers ``texts`` with ``slots`` sessions busy at once, a session taking the next
+    prompt as soon as its answer is done; timed while every slot is busy (until the prompts run
+    out), so each batch is full, as on a loaded server."""
+    arm = "lookup:eagle:general"
+    context = DrafterContext(settings_from_env().home, DEFAULT_TARGET)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    prompts = [engine.encode_prompt(text) for text in texts]
+    systems = {}
+    for name, (batched, gate, drafting) in STREAM_SYSTEMS.items():
+        drafter = create_drafter(arm, context)
+        verifier = TargetVerifier(engine.model, engine.tokenizer)
+        host = HostingVerifier(verifier, {arm: drafter if batched else OneAfterAnother(drafter)},
+                               LoadGate() if gate else None)
+        systems[name] = {"host": host, "drafting": drafting, "next": 0, "slots": [None] * slots, "seconds": 0.0,
+                         "tokens": 0, "batches": 0, "answers": {}, "timing": True}
+    while any(state["timing"] for state in systems.values()):
+        for name, state in systems.items():
+            if not state["timing"]:
+                continue
+            for j, slot in enumerate(state["slots"]):
+                if slot is None:
+                    if state["next"] == len(prompts):
+                        state["timing"] = False  # the prompts ran out: batches would no longer be full
+                        break
+                    state["slots"][j] = (state["next"], [])
+                    state["next"] += 1
+            if not state["timing"]:
+                continue
+            items = [(VerifyRequest(f"{name}/{i}", prompts[i] + done, [], [], params),
+                      HostedDraft(arm if done and state["drafting"] else None, min(K, new_tokens - len(done) - 1),
+                                  False, (arm,)))
+                     for i, done in state["slots"]]
+            started = time.perf_counter()
+            out = state["host"].verify_batch(items)
+            state["seconds"] += time.perf_counter() - started
+            state["batches"] += 1
+            for j, ((i, done), outcome) in enumerate(zip(state["slots"], out)):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                emitted = outcome[1].tokens[: new_tokens - len(done)]
+                done += emitted
+                state["tokens"] += len(emitted)
+                if len(done) == new_tokens:
+                    state["answers"][i] = list(done)
+                    state["host"].release(f"{name}/{i}")
+                    state["slots"][j] = None
+            progress.update(1)
+    reference = systems["target only"]["answers"]
+    for name, state in systems.items():
+        for i, answer in state["answers"].items():
+            if i in reference and answer != reference[i]:
+                raise RuntimeError(f"{name} answered prompt {i} with other tokens than the target alone")
+    return {
+        "slots": slots, "new_tokens": new_tokens, "prompts": len(texts),
+        "systems": {name: {"batches": s["batches"], "seconds": s["seconds"], "tokens": s["tokens"],
+                           "answers": len(s["answers"]), "tokens_per_s": s["tokens"] / s["seconds"],
+                           "draft_failures": s["host"].draft_failures,
+                           "plain_batches": s["host"].gate.plain_batches if s["host"].gate else None,
+                           "gate_rates": s["host"].gate.rates() if s["host"].gate else None} for name, s in systems.items()},
+    }
+
+
+def pick(by_category: dict[str, list[str]], n: int) -> list[str]:
+    """n prompts, one per category in turn (categories in name order), cycling if n exceeds them all."""
+    categories = sorted(by_category)
+    ordered = [by_category[c][i] for i in range(max(map(len, by_category.values())))
+               for c in categories if i < len(by_category[c])]
+    return [ordered[i % len(ordered)] for i in range(n)]
+
+
 def report(results: dict) -> str:
     lines = [
         "# A hosted head drafting for a verify batch: one session after another vs batched", "",
@@ -111,6 +221,24 @@ def report(results: dict) -> str:
         lines.append(f"| {row['sessions']} | {fmt(t['serial'])} | {fmt(t['batched'])} | "
                      f"{r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}] | {row['draft_tokens']['serial']} / "
                      f"{row['draft_tokens']['batched']} | {row['rounds_with_identical_drafts']} of {row['rounds']} |")
+    stream = results.get("stream")
+    if stream:
+        lines += [
+            "", f"## The target's whole work under load: {stream['slots']} sessions always busy, `lookup:eagle:general` hosted", "",
+            f"{stream['prompts']} prompts, {stream['new_tokens']} new tokens each (greedy, k = {K}), through {stream['slots']} "
+            "session slots: a slot takes the next prompt the moment its answer is done, and each system (its own "
+            "target caches and drafters) is timed while all its slots are busy, so every batch is full, as on a "
+            "loaded server. Each batch is the served target's work (draft, one batched verify, features to the "
+            "hosted heads, new prompts' prefills); the systems take turns batch by batch. Every answer equals "
+            "the target-only one.", "",
+            "| system | verify batches | of them without drafts | tokens | tokens/s | × target only |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        plain = stream["systems"]["target only"]["tokens_per_s"]
+        for name, row in stream["systems"].items():
+            plain_batches = row["plain_batches"] if row["plain_batches"] is not None else ("all" if name == "target only" else 0)
+            lines.append(f"| {name} | {row['batches']} | {plain_batches} | {row['tokens']} | {row['tokens_per_s']:.1f} | "
+                         f"{row['tokens_per_s'] / plain:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", default="general", help="shipped head or head folder (default general)")
     parser.add_argument("--sessions", default="2,4,8", help="batch sizes (default 2,4,8)")
     parser.add_argument("--rounds", type=int, default=16, help="rounds per batch size, the first untimed (default 16)")
+    parser.add_argument("--stream-prompts", type=int, default=48,
+                        help="prompts answered under load, through the largest --sessions slots (default 48; 0 skips it)")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="new tokens per answer under load (default 64)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--out", default=default_out("hosted-drafting"), help=f"output folder (default ./{default_out('hosted-drafting')})")
     args = parser.parse_args(argv)
@@ -134,15 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     by_category: dict[str, list[str]] = {}
     for category, text in questions:
         by_category.setdefault(category, []).append(text)
-    categories = sorted(by_category)
-    texts = [by_category[categories[i % len(categories)]][i // len(categories)] for i in range(max(sizes))]
+    texts = pick(by_category, max(sizes))
     seqs = sequences(engine, texts, 4 + 3 * args.rounds)
     rows = []
     with tqdm(total=len(sizes) * args.rounds, desc="rounds", unit="round") as progress:
         for size in sizes:
             row = run_batch(head, metadata, seqs[:size], args.rounds, progress)
             rows.append(row)
+        stream = None
+        if args.stream_prompts > 0:
+            progress.set_description("batches under load")
+            stream = run_stream(engine, pick(by_category, args.stream_prompts), max(sizes), args.stream_tokens, progress)
     results = {"machine": machine_info("cpu"), "target": DEFAULT_TARGET, "head": args.head, "rounds": args.rounds,
+               "stream": stream,
                "command": "python -m bench.hosted_drafting " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
                "rows": rows}
     out = Path(args.out)

@@ -140,6 +140,9 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-heads", default=None, action=argparse.BooleanOptionalAction,
                         help="the target deployment hosts the pool's white-box heads and drafts with them inside its verify "
                              "call (as `specpool serve`, whose default this follows); --no-host-heads: a drafter deployment each")
+    parser.add_argument("--load-gate", default=None, action=argparse.BooleanOptionalAction,
+                        help="with hosted heads, batches of several sessions draft only where that has measured faster "
+                             "(as `specpool serve`, the default); --no-load-gate: every batch drafts")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--port", type=int, default=50061, help="gRPC port of the benchmark's own server (default 50061)")
     parser.add_argument("--out", default=default_out("served"), help=f"output folder (default ./{default_out('served')} in the working directory)")
@@ -287,8 +290,8 @@ def markdown_report(result: dict, plot: str | None) -> str:
         "",
         *split_table(single.get("ms_per_round") or {}),
         "## Concurrent sessions (served)", "",
-        "| sessions | requests | tokens | wall s | aggregate tokens/s | × 1 session | TTFT p50 / p99 | ITL p50 / p99 | target batch sizes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| sessions | requests | tokens | wall s | aggregate tokens/s | × 1 session | TTFT p50 / p99 | ITL p50 / p99 | target batch sizes | of them without drafts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = next((lv["tokens_per_s"] for lv in levels if lv["sessions"] == 1), None)
     for lv in levels:
@@ -297,9 +300,12 @@ def markdown_report(result: dict, plot: str | None) -> str:
         lines.append(
             f"| {lv['sessions']} | {lv['requests']} | {lv['tokens']} | {lv['wall_s']:.1f} | {_f(lv['tokens_per_s'])} | "
             f"{_f(lv['tokens_per_s'] / base if base else None)} | {_f(lat['ttft_p50_s'], 0, 1000, ' ms')} / {_f(lat['ttft_p99_s'], 0, 1000, ' ms')} | "
-            f"{_f(lat['itl_p50_s'], 0, 1000, ' ms')} / {_f(lat['itl_p99_s'], 0, 1000, ' ms')} | {sizes or '–'} |"
+            f"{_f(lat['itl_p50_s'], 0, 1000, ' ms')} / {_f(lat['itl_p99_s'], 0, 1000, ' ms')} | {sizes or '–'} | "
+            f"{lv.get('plain_batches', 0)} |"
         )
-    lines += ["", "Target batch sizes: `size×count` of the target's verify forwards at that level (from its `Stats`).",
+    lines += ["", "Target batch sizes: `size×count` of the target's verify forwards at that level (from its `Stats`); "
+              "without drafts: batches of several sessions whose hosted arms its load gate let verify without drafting "
+              "(`LoadGate`, specpool/router/hosted.py).",
               "TTFT: request sent → first streamed token; ITL: each streamed message's gap since the previous one, "
               "spread over the tokens it carries (a round's tokens arrive together).", ""]
     if plot:
@@ -371,7 +377,8 @@ def command_line(args: argparse.Namespace) -> str:
         "--max-new-tokens", str(args.max_new_tokens), "--pool", args.pool, "--policy", args.policy, "-k", str(args.k),
         "--concurrency", args.concurrency, "--max-batch-size", str(args.max_batch_size), "--out", str(args.out),
     ] + (["--requests-per-level", str(args.requests_per_level)] if args.requests_per_level else [])
-      + ([] if getattr(args, "host_heads", None) is None else ["--host-heads" if args.host_heads else "--no-host-heads"]))
+      + ([] if getattr(args, "host_heads", None) is None else ["--host-heads" if args.host_heads else "--no-host-heads"])
+      + ([] if getattr(args, "load_gate", None) is None else ["--load-gate" if args.load_gate else "--no-load-gate"]))
 
 
 def run_bench_served(args: argparse.Namespace, settings) -> int:
@@ -404,7 +411,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     config = default_serve_config(pool, args.redis_url, args.port, policy=args.policy, k=args.k,
-                                  host_white_box=args.host_heads)
+                                  host_white_box=args.host_heads, load_gate=args.load_gate is not False)
     namespace = f"specpool-bench-{uuid.uuid4().hex[:8]}"  # the run's own Redis keys, deleted at the end
     for app in config["applications"]:
         if app["name"] == "target":
@@ -426,11 +433,11 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
         engine.close()  # frees the embedded models before the concurrency runs
         target_handle = serve.get_deployment_handle("Target", app_name="target")
 
-        def batch_sizes() -> dict:
-            return target_handle.options(method_name="Stats").remote().result()["batch_sizes"]
+        def target_stats() -> dict:
+            return target_handle.options(method_name="Stats").remote().result()
 
         concurrency = [concurrency_level(client, [q.prompt for q in questions], sessions,
-                                         args.requests_per_level or max(len(questions), 2 * sessions), fields, batch_sizes)
+                                         args.requests_per_level or max(len(questions), 2 * sessions), fields, target_stats)
                        for sessions in levels]
         client.close()
     finally:
@@ -481,16 +488,17 @@ def single_session_runs(client, embedded, questions: Sequence, fields: dict) -> 
     return records
 
 
-def concurrency_level(client, prompts: list[str], sessions: int, n_requests: int, fields: dict, batch_sizes) -> dict:
+def concurrency_level(client, prompts: list[str], sessions: int, n_requests: int, fields: dict, target_stats) -> dict:
     """``n_requests`` requests (the prompts in turn) through ``sessions`` client threads, one
-    stream each: aggregate tokens/s, latency, and the target's batch sizes meanwhile."""
+    stream each: aggregate tokens/s, latency, and the target's batch sizes meanwhile (and how many
+    of its batches its load gate verified without hosted drafts)."""
     work: queue.Queue = queue.Queue()
     for j in range(n_requests):
         work.put(prompts[j % len(prompts)])
     timings: list[StreamTiming] = []
     errors: list[str] = []
     lock = threading.Lock()
-    before = batch_sizes()
+    before = target_stats()
 
     def worker() -> None:
         while True:
@@ -515,12 +523,14 @@ def concurrency_level(client, prompts: list[str], sessions: int, n_requests: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
-    after = batch_sizes()
+    after = target_stats()
+    plain = after.get("plain_batches", 0) - before.get("plain_batches", 0)
+    before, after = before["batch_sizes"], after["batch_sizes"]
     sizes = {str(s): after.get(s, 0) - before.get(s, 0) for s in after if after.get(s, 0) - before.get(s, 0)}
     tokens = sum(t.tokens for t in timings)
     return {"sessions": sessions, "requests": len(timings), "errors": errors, "tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-            "latency": latency_summary(timings), "batch_sizes": sizes}
+            "latency": latency_summary(timings), "batch_sizes": sizes, "plain_batches": plain}
 
 
 def _delete_namespace(redis_url: str, namespace: str) -> None:

@@ -68,6 +68,10 @@ def add_served_commands(commands) -> None:
                             "lookup:eagle:...) and drafts with them inside its verify call, one call a round "
                             "(default); --no-host-heads: a drafter deployment per head, fed the features over the wire "
                             "(what online learning of a head needs)")
+    serve.add_argument("--load-gate", default=None, action=argparse.BooleanOptionalAction,
+                       help="without --config: with hosted heads, a verify batch of several sessions drafts only where "
+                            "drafting has measured faster than plain batched decoding at that batch size (default); "
+                            "--no-load-gate: every batch drafts")
     serve.add_argument("--print-config", action="store_true", help="print the Serve config that would run, and exit")
 
     client = commands.add_parser("client", help="talk to a running `specpool serve` (or a cluster) over gRPC")
@@ -129,7 +133,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
     if args.config is not None:
         for flag, value in (("--pool", args.pool), ("--policy", args.policy), ("-k", args.k),
                             ("--feature-dtype", getattr(args, "feature_dtype", None)),
-                            ("--host-heads/--no-host-heads", getattr(args, "host_heads", None))):
+                            ("--host-heads/--no-host-heads", getattr(args, "host_heads", None)),
+                            ("--load-gate/--no-load-gate", getattr(args, "load_gate", None))):
             if value is not None:
                 raise InvalidArgument(f"{flag} is for the default config; with --config, set it in {args.config}")
         config, source = load_serve_config(Path(args.config)), args.config
@@ -143,7 +148,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
         config = default_serve_config(pool, DEFAULT_REDIS_URL, DEFAULT_GRPC_PORT, policy=policy,
                                       k=args.k if args.k is not None else 5,
                                       feature_dtype=getattr(args, "feature_dtype", None) or "float16",
-                                      host_white_box=getattr(args, "host_heads", None))
+                                      host_white_box=getattr(args, "host_heads", None),
+                                      load_gate=getattr(args, "load_gate", None) is not False)
         source = "the default config"
     if args.port is not None:
         check(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")

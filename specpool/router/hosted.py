@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specpool.core.errors import FailedPrecondition, NotFound, SpecpoolError
+from specpool.core.errors import FailedPrecondition, InvalidArgument, NotFound, SpecpoolError
 from specpool.drafters.base import (BatchDrafter, CostMeter, DraftRequest, Drafter, Proposal, TreeDrafter, WhiteBox,
                                     reads_features)
 from specpool.target.features import FeatureGap
@@ -34,6 +35,7 @@ from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
 
 logger = logging.getLogger(__name__)
+
 
 
 @dataclass(frozen=True)
@@ -91,14 +93,74 @@ def hosted_arm_of(name: str, drafter: Drafter) -> HostedArm:
                      int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0)
 
 
+class LoadGate:
+    """Whether a verify batch of several sessions is worth drafting for, measured as it serves.
+
+    A batched verify pads every session's round to the longest one's positions, so its cost grows
+    with sessions × draft length whether or not the drafts are accepted, and the host drafts before
+    it. With one session a forward's cost is mostly reading the weights, and a round's five more
+    positions cost little (``bench/results/cpu-linear``). With eight sessions on a CPU the forward is
+    compute-bound, and their rounds cost more than the accepted tokens are worth: eight sessions
+    always busy decoded fewer tokens a second drafting than plain batched decoding did
+    (``bench/results/hosted-drafting``). vLLM has a fixed switch for this
+    (``speculative_disable_by_batch_size``); how many sessions are too many depends on the machine,
+    the model and the heads' acceptance, so here it is measured.
+
+    Per batch size B ≥ 2, the gate keeps an exponentially weighted mean of the tokens per second a
+    batch emitted (drafting plus verifying) when its hosted arms drafted and when they did not, and
+    drafts when drafting has measured faster. Every ``explore_every``-th batch of a size plays the
+    other choice, so a changed load keeps being measured (deterministic: no random draws), and each
+    choice is played ``min_batches`` times first. A plain batch verifies its hosted rounds without a
+    draft: target-only rounds, lossless as any. One session always drafts."""
+
+    def __init__(self, min_batches: int = 4, explore_every: int = 10, decay: float = 0.9):
+        if min_batches < 1 or explore_every < 2 or not 0.0 < decay < 1.0:
+            raise InvalidArgument(f"a load gate needs min_batches >= 1, explore_every >= 2 and decay in (0, 1); "
+                                  f"got {min_batches}, {explore_every}, {decay}")
+        self.min_batches = min_batches
+        self.explore_every = explore_every
+        self.decay = decay
+        self._rate: dict[tuple[int, bool], float] = {}  # (sessions, drafted) -> tokens per second, EW mean
+        self._count: dict[tuple[int, bool], int] = {}
+        self._batches: dict[int, int] = {}
+        self.plain_batches = 0  # batches verified without hosted drafts (counted for reports)
+
+    def drafts(self, sessions: int) -> bool:
+        """Whether the hosted arms draft for a batch of ``sessions`` sessions."""
+        if sessions < 2:
+            return True
+        seen = self._batches.get(sessions, 0)
+        self._batches[sessions] = seen + 1
+        counts = {choice: self._count.get((sessions, choice), 0) for choice in (True, False)}
+        if min(counts.values()) < self.min_batches:
+            return counts[True] <= counts[False]  # measure both first, drafting first
+        best = self._rate[sessions, True] >= self._rate[sessions, False]
+        return (not best) if seen % self.explore_every == self.explore_every - 1 else best
+
+    def observe(self, sessions: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A batch of ``sessions`` sessions emitted ``tokens`` in ``seconds`` (drafting and verifying)."""
+        if sessions < 2 or seconds <= 0.0:
+            return
+        key = (sessions, drafted)
+        rate = tokens / seconds
+        self._rate[key] = rate if key not in self._rate else self.decay * self._rate[key] + (1 - self.decay) * rate
+        self._count[key] = self._count.get(key, 0) + 1
+        self.plain_batches += not drafted
+
+    def rates(self) -> dict[str, float]:
+        """The measured means, "B drafted" / "B plain" -> tokens per second (for reports)."""
+        return {f"{b} {'drafted' if d else 'plain'}": rate for (b, d), rate in sorted(self._rate.items())}
+
+
 class HostingVerifier:
     """A ``TargetVerifier`` with the drafters it hosts (see the module docstring). Not thread-safe,
     like the verifier: the target deployment calls it from its one model thread."""
 
-    def __init__(self, verifier: TargetVerifier, drafters: Mapping[str, Drafter]):
+    def __init__(self, verifier: TargetVerifier, drafters: Mapping[str, Drafter], gate: LoadGate | None = None):
         self.verifier = verifier
         self.drafters = dict(drafters)
         self.draft_failures = 0  # rounds whose hosted draft raised (verified with no draft instead)
+        self.gate = gate  # None: the hosted arms draft for every batch
 
     # -- what the loop and the deployment call --------------------------------------------------------
     @property
@@ -120,8 +182,10 @@ class HostingVerifier:
         one head forward per draft step where it can: ``BatchDrafter``), verify all of them in one
         batched forward, then give each session's hosted heads its features. A failed item's entry
         is its error; the others go on."""
+        started = time.perf_counter()
         outcomes: list = [None] * len(items)
-        proposals = self._draft_all(items, outcomes)
+        drafting = self.gate is None or self.gate.drafts(len(items))
+        proposals = self._draft_all(items, outcomes, drafting)
         ready: list[tuple[int, VerifyRequest, Proposal, HostedDraft | None]] = []
         for i, (request, draft) in enumerate(items):
             if outcomes[i] is None:
@@ -129,7 +193,8 @@ class HostingVerifier:
                     list(request.draft_tokens), list(request.q),
                     parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
                 ready.append((i, self._request_for(request, draft, proposal), proposal, draft))
-        results = self.verifier.verify_batch([request for _, request, _, _ in ready]) if ready else []
+        requests = [request for _, request, _, _ in ready]
+        results = self.verifier.verify_batch(requests) if requests else []
         for (i, request, proposal, draft), result in zip(ready, results):
             if isinstance(result, BaseException):
                 outcomes[i] = result
@@ -142,6 +207,9 @@ class HostingVerifier:
             if not items[i][0].return_features and result.features is not None:
                 result = dataclasses.replace(result, features=None)  # read here; the caller did not ask
             outcomes[i] = (proposal, result)
+        if self.gate is not None:
+            self.gate.observe(len(items), drafting, sum(len(o[1].tokens) for o in outcomes if isinstance(o, tuple)),
+                              time.perf_counter() - started)
         return outcomes
 
     def release(self, session_id: str) -> None:
@@ -156,10 +224,12 @@ class HostingVerifier:
             raise NotFound(f"this target hosts no drafter {name!r} (it hosts: {', '.join(sorted(self.drafters)) or 'none'})")
         return drafter
 
-    def _draft_all(self, items: Sequence[tuple[VerifyRequest, HostedDraft | None]], outcomes: list) -> dict[int, Proposal]:
-        """The proposals of the items a hosted arm drafts (by item index). An invalid item gets its
-        error in ``outcomes`` before any work. Trees are drafted one session after another; the
-        chains of an arm's sessions go to it together (``propose_many``)."""
+    def _draft_all(self, items: Sequence[tuple[VerifyRequest, HostedDraft | None]], outcomes: list,
+                   drafting: bool = True) -> dict[int, Proposal]:
+        """The proposals of the items a hosted arm drafts (by item index; with ``drafting`` off, an
+        empty one each: the gate chose a plain batch). An invalid item gets its error in ``outcomes``
+        before any work. Trees are drafted one session after another; the chains of an arm's
+        sessions go to it together (``propose_many``)."""
         proposals: dict[int, Proposal] = {}
         chains: dict[str, list[int]] = {}  # arm -> the items whose chains it drafts
         for i, (request, draft) in enumerate(items):
@@ -176,7 +246,9 @@ class HostingVerifier:
             except SpecpoolError as exc:
                 outcomes[i] = exc
                 continue
-            if (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
+            if not drafting:
+                proposals[i] = Proposal([], [])
+            elif (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
                     and self.verifies_trees):
                 proposals[i] = self._guarded(draft.drafter, lambda: drafter.propose_tree(
                     request.session_id, request.context_ids, draft.k, request.params))

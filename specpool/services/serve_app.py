@@ -82,7 +82,7 @@ from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
 from specpool.learning.hot_swap import ServedVariants, learnable
 from specpool.learning.model_store import open_model_store
-from specpool.router.hosted import HostedArm, HostingVerifier
+from specpool.router.hosted import HostedArm, HostingVerifier, LoadGate
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.admission import Admission, QuotaExceeded, load_quotas, retry_metadata
@@ -259,7 +259,7 @@ class TargetServer:
         for name, drafter in drafters.items():
             if drafter.tokenizer_fingerprint is not None:
                 check_same_tokenizer(verifier.tokenizer_fingerprint, drafter.tokenizer_fingerprint, name)
-        return HostingVerifier(verifier, drafters)
+        return HostingVerifier(verifier, drafters, LoadGate() if args.load_gate and drafters else None)
 
     async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """Batching (``@serve.batch`` below) of calls that do not arrive in step.
@@ -334,9 +334,12 @@ class TargetServer:
 
     async def Stats(self) -> dict:
         """Batches run by size: {size: count}; calls that came over the direct route; the sessions
-        the next batch would wait for (those of the last batch whose request has not ended)."""
+        the next batch would wait for (those of the last batch whose request has not ended); hosted
+        drafts that failed; batches the load gate verified without drafts, and its measured tokens/s."""
         return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls,
-                "waiting_for": sorted(self._expected), "hosted_draft_failures": self.hosting.draft_failures}
+                "waiting_for": sorted(self._expected), "hosted_draft_failures": self.hosting.draft_failures,
+                "plain_batches": self.hosting.gate.plain_batches if self.hosting.gate else 0,
+                "gate_tokens_per_s": self.hosting.gate.rates() if self.hosting.gate else {}}
 
     async def Replica(self) -> dict:
         return _replica()

@@ -370,6 +370,9 @@ class TargetArgs:
     # verify call, white-box heads reading its features in process; the router maps each such name
     # to this application in its drafter_apps.
     hosted_drafters: tuple[str, ...] = ()
+    # With hosted drafters: a batch of several sessions drafts only where drafting has measured
+    # faster than plain batched decoding at that batch size (``LoadGate``, specpool/router/hosted.py).
+    load_gate: bool = True
 
     @property
     def ongoing(self) -> int:
@@ -413,6 +416,10 @@ class TargetArgs:
             if len(set(hosted)) != len(hosted):
                 raise InvalidArgument(f"{where}: hosted_drafters names a drafter twice: {list(hosted)}")
             out["hosted_drafters"] = tuple(hosted)
+        if "load_gate" in args:
+            if not isinstance(args["load_gate"], bool):
+                raise InvalidArgument(f"{where}: load_gate must be true or false, got {args['load_gate']!r}")
+            out["load_gate"] = args["load_gate"]
         parsed = cls(**out)
         if parsed.ongoing < parsed.max_batch_size:
             raise InvalidArgument(f"{where}: max_ongoing_requests ({parsed.ongoing}) must be >= max_batch_size "
@@ -538,12 +545,15 @@ def default_serve_config(
     cores: int | None = None,
     feature_dtype: str = "float16",
     host_white_box: bool | None = None,
+    load_gate: bool = True,
 ) -> dict:
     """The Serve config `specpool serve` runs without --config: the target and one application per
     drafter of ``pool`` on this machine's CPUs, the router as the gRPC ingress. Same shape as
     k8s/rayservice.yaml's serveConfigV2 (print it with `specpool serve --print-config`).
     ``host_white_box``: the target hosts the pool's white-box arms (``is_white_box_spec``) and drafts
-    with them in its verify call, instead of a drafter application each (None: DEFAULT_HOST_WHITE_BOX)."""
+    with them in its verify call, instead of a drafter application each (None: DEFAULT_HOST_WHITE_BOX);
+    ``load_gate``: its batches of several sessions draft only where that has measured faster
+    (``TargetArgs.load_gate``)."""
     cores = cores or os.cpu_count() or 1
     host = DEFAULT_HOST_WHITE_BOX if host_white_box is None else host_white_box
     hosted = [name for name in pool if host and is_white_box_spec(name)]
@@ -582,7 +592,8 @@ def default_serve_config(
                          "ray_actor_options": {"num_cpus": cores, "num_gpus": 0},
                          "torch_threads": target_threads_for(cores),
                          **({"feature_dtype": feature_dtype} if feature_dtype != "float16" else {}),
-                         **({"hosted_drafters": hosted} if hosted else {})},
+                         **({"hosted_drafters": hosted} if hosted else {}),
+                         **({} if load_gate or not hosted else {"load_gate": False})},
             },
             *drafters,
         ],

@@ -5,8 +5,9 @@ On the tiny target with the fitted test head of test_eagle_drafter.py: a padded 
 sessions with caches of different lengths gives each row what that row alone gives; a batch of
 chains equals each session's ``propose`` (greedy and seeded sampling, with different k, confidence
 stops, a session without features, a session twice), behind prompt lookup too, in fewer head
-forwards; a batch that fails mid-way leaves every session's head state as good as new; and a
-hosting verifier whose batch fails drafts one session at a time instead."""
+forwards; a batch that fails mid-way leaves every session's head state as good as new; a
+hosting verifier whose batch fails drafts one session at a time instead; and the load gate, which
+lets a batch draft only where drafting has measured faster, keeps outputs exact either way."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from specpool.drafters.base import DraftRequest, propose_many
 from specpool.drafters.eagle import EagleDrafter
 from specpool.drafters.lookup_first import LookupFirstDrafter
 from specpool.drafters.ngram import NGramDrafter
-from specpool.router.hosted import HostedDraft, HostingVerifier
+from specpool.core.errors import InvalidArgument
+from specpool.router.hosted import HostedDraft, HostingVerifier, LoadGate
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest
 from test_eagle_drafter import GREEDY, drafter_of, final_hidden, head, head_dir, tell  # noqa: F401 - module fixtures
@@ -203,3 +205,79 @@ def test_a_hosting_verifier_whose_batch_fails_drafts_one_session_at_a_time(head,
             contexts[session] += rb.tokens
             drafted += len(pb.tokens)
     assert drafted > 0 and flaky.draft_failures == good.draft_failures == 0
+
+
+# -- the load gate ----------------------------------------------------------------------------------
+
+
+def play(gate: LoadGate, sessions: int, batches: int, rate: dict[bool, float]) -> list[bool]:
+    """``batches`` decisions, each answered with the given tokens/s of its choice."""
+    chosen = []
+    for _ in range(batches):
+        drafted = gate.drafts(sessions)
+        gate.observe(sessions, drafted, int(rate[drafted]), 1.0)
+        chosen.append(drafted)
+    return chosen
+
+
+def test_the_gate_measures_both_choices_then_keeps_the_faster_and_keeps_exploring():
+    gate = LoadGate(min_batches=2, explore_every=5, decay=0.5)
+    assert all(gate.drafts(1) for _ in range(20))  # one session always drafts, and is not measured
+    chosen = play(gate, 4, 4, {True: 10, False: 20})
+    assert sorted(chosen) == [False, False, True, True] and chosen[0] is True  # both measured, drafting first
+    steady = play(gate, 4, 10, {True: 10, False: 20})
+    assert steady == [True, False, False, False, False, True, False, False, False, False]  # plain is faster: every 5th batch explores
+    assert gate.plain_batches == 2 + 8
+    assert play(gate, 8, 7, {True: 30, False: 20})[5:] == [True, True]  # each batch size learns on its own
+    # Drafting gets faster at 4 sessions: its explored batches see it, and the gate turns.
+    later = play(gate, 4, 20, {True: 40, False: 20})
+    assert later[-4:] == [True, True, True, True]
+    assert gate.rates()["4 drafted"] > gate.rates()["4 plain"]
+
+
+@pytest.mark.parametrize("bad", [dict(min_batches=0), dict(explore_every=1), dict(decay=1.0)])
+def test_a_gate_with_bad_settings_is_refused(bad):
+    with pytest.raises(InvalidArgument, match="a load gate needs"):
+        LoadGate(**bad)
+
+
+class Pinned(LoadGate):
+    """A gate whose choice the test sets (the real gate decides by the clock)."""
+
+    def __init__(self, drafting: bool):
+        super().__init__()
+        self.drafting = drafting
+        self.observed: list[tuple[int, bool, int]] = []
+
+    def drafts(self, sessions: int) -> bool:
+        return self.drafting or sessions < 2
+
+    def observe(self, sessions, drafted, tokens, seconds):
+        self.observed.append((sessions, drafted, tokens))
+        super().observe(sessions, drafted, tokens, seconds)
+
+
+def test_behind_the_gate_a_batch_drafts_or_not_and_outputs_stay_the_targets(head, target_lm, prompts, greedy_reference):
+    model, tokenizer = target_lm
+    head_drafter = drafter_of(head)
+    gate = Pinned(True)
+    hosting = HostingVerifier(TargetVerifier(model, tokenizer), {"eagle:tiny": head_drafter}, gate)
+    contexts = {f"g{i}": list(s[:-24]) for i, s in enumerate(prompts[:3])}
+    start = {s: list(c) for s, c in contexts.items()}
+    drafted = {True: 0, False: 0}
+    for step in range(8):
+        gate.drafting = step % 4 < 2  # two batches drafting, two plain, and again
+        draft = HostedDraft("eagle:tiny" if step else None, 5, False, ("eagle:tiny",))
+        out = hosting.verify_batch([(VerifyRequest(s, list(c), [], [], GREEDY), draft) for s, c in contexts.items()])
+        for (proposal, result), session in zip(out, list(contexts)):
+            if step and not gate.drafting:
+                assert proposal.tokens == [] and len(result.tokens) == 1  # a plain round
+            drafted[gate.drafting] += len(proposal.tokens)
+            contexts[session] += result.tokens
+        assert gate.observed[-1][:2] == (3, gate.drafting)
+        assert gate.observed[-1][2] == sum(len(r.tokens) for _, r in out)
+    assert drafted[True] > 0 and drafted[False] == 0 and gate.plain_batches == 4
+    for session, context in contexts.items():  # every plain round still fed the head: it drafts from where it is
+        assert head_drafter.features_held(session) >= len(context) - 2
+        n = len(context) - len(start[session])
+        assert context[len(start[session]):] == greedy_reference(model, start[session], n)

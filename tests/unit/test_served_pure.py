@@ -92,6 +92,7 @@ def test_target_args():
     assert TargetArgs.parse({"ray_actor_options": {"num_cpus": 0.5}}).threads == 1
     assert TargetArgs.parse({"device": "cuda", "ray_actor_options": {"num_gpus": 1}}).device == "cuda"
     assert args.feature_dtype == "float16" and TargetArgs.parse({"feature_dtype": "bfloat16"}).feature_dtype == "bfloat16"
+    assert args.load_gate and not TargetArgs.parse({"load_gate": False}).load_gate
 
 
 @pytest.mark.parametrize("args,message", [
@@ -104,6 +105,7 @@ def test_target_args():
     ({"cache_capacity": 0}, "cache_capacity must be >= 1"),
     ({"modle": "x"}, "unknown key 'modle'"),
     ({"feature_dtype": "float32"}, "feature_dtype must be one of float16, bfloat16"),
+    ({"load_gate": "yes"}, "load_gate must be true or false"),
 ])
 def test_target_args_errors(args, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -218,7 +220,9 @@ def test_a_target_that_hosts_a_drafter_drafts_inside_its_verify_batch(model_dirs
         assert "h" in drafter.caches.sessions()
         assert (asyncio.run(target.Release(common_pb2.ReleaseRequest(session_id="h")))).released
         assert "h" not in drafter.caches.sessions()
-        assert (asyncio.run(target.Stats()))["hosted_draft_failures"] == 0
+        stats = asyncio.run(target.Stats())
+        assert stats["hosted_draft_failures"] == 0 and stats["plain_batches"] == 0  # a batch of two drafts first
+        assert target.hosting.gate is not None  # on by default (TargetArgs.load_gate)
     finally:
         target._model_thread.shutdown()
 
@@ -408,6 +412,20 @@ def test_by_default_the_target_hosts_the_pools_white_box_heads():
         plan_from_config(config)
     with pytest.raises(InvalidArgument, match="with --config, set it in"):
         serve_config_from_args(build_parser().parse_args(["serve", "--config", "x.yaml", "--no-host-heads"]))
+
+
+def test_the_load_gate_is_on_by_default_and_a_flag_turns_it_off():
+    from specpool.cli.main import build_parser
+    from specpool.cli.served import serve_config_from_args
+
+    def target_args(*flags):
+        config, _ = serve_config_from_args(build_parser().parse_args(["serve", "--pool", "eagle:/h/a,ngram", *flags]))
+        return TargetArgs.parse(plan_from_config(config).apps[0].args)
+
+    assert target_args().load_gate and target_args("--load-gate").load_gate
+    assert not target_args("--no-load-gate").load_gate
+    with pytest.raises(InvalidArgument, match="--load-gate/--no-load-gate is for the default config"):
+        serve_config_from_args(build_parser().parse_args(["serve", "--config", "x.yaml", "--no-load-gate"]))
 
 
 def test_the_kubernetes_serve_config_is_a_valid_plan():
