@@ -18,6 +18,9 @@ from specpool.target.sampling import SamplingParams
 # pool can answer a round by the same lookup (``ngram`` and every ``lookup:SPEC``); such a round
 # says nothing about which of them is better, so the router does not credit it to the arm played.
 LOOKUP_SOURCE = "lookup"
+# A proposal's ``source`` when the target hosting the arm chose not to draft that round (its load
+# gate, specpool/router/hosted.py): a target-only round that says nothing about the arm either.
+UNDRAFTED_SOURCE = "undrafted"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ which ``ngram`` and every ``lookup:SPEC`` arm run first) is credited to no arm: 
 played, the same lookup would have made the same proposal, so its reward says nothing about the
 arms' differences and only adds noise (an arm played through a stretch of copied text would look
 good for the copies). The policy's state is left as it was, so an arm that has not yet had a round
-of its own is still unexplored.
+of its own is still unexplored. Nor is a round the target verified without drafting for the hosted
+arm played (``UNDRAFTED_SOURCE``: its load gate chose a plain batch): the arm did not fail, it was
+not asked.
 
 Store outages never fail a request (issue 27): the bandit only chooses which drafter drafts, and
 the target decides every token, so a request can always finish on the state it holds.
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 from specpool.core.errors import StoreUnavailable
+from specpool.drafters.base import UNDRAFTED_SOURCE
 from specpool.router.loop import Choice, RoundRecord
 from specpool.router.policies import ArmStats, Policy, parse_arm
 from specpool.router.session_store import SessionKey, SessionStore
@@ -332,7 +335,7 @@ class BanditChooser:
         A shared-source round is credited to no arm, so it is replayed by none either."""
         if not isinstance(self.policy, ReplayPolicy) or self._pending is None or self._selected_from is None:
             return []
-        if (source is not None and source in self.shared_sources) or not self.policy.wants_replay(self._selected_from):
+        if not self._credits(source) or not self.policy.wants_replay(self._selected_from):
             return []
         played = parse_arm(self._pending)[0]
         return [d for d in self._pool if d != played]
@@ -344,7 +347,7 @@ class BanditChooser:
             return
         started = time.perf_counter()
         arm = self._pending
-        credited = record.source is None or record.source not in self.shared_sources
+        credited = self._credits(record.source)
         if credited:
             if self._behind:
                 # The round goes on at once: the next choice is made from the state the last write
@@ -370,6 +373,10 @@ class BanditChooser:
             self.trace.append(TraceEntry(self._round, arm, leader, credited))
         self._pending = None
         self.overhead_s += time.perf_counter() - started
+
+    def _credits(self, source: str | None) -> bool:
+        """Whether a round whose proposal came from ``source`` is the played arm's (module docstring)."""
+        return source is None or (source not in self.shared_sources and source != UNDRAFTED_SOURCE)
 
     def _written_state(self) -> dict | None:
         """The state this request's last write stored, if every write of it is over and the last

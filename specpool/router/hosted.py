@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from specpool.core.errors import FailedPrecondition, InvalidArgument, NotFound, SpecpoolError
-from specpool.drafters.base import (BatchDrafter, CostMeter, DraftRequest, Drafter, Proposal, TreeDrafter, WhiteBox,
-                                    reads_features)
+from specpool.drafters.base import (UNDRAFTED_SOURCE, BatchDrafter, CostMeter, DraftRequest, Drafter, Proposal, TreeDrafter,
+                                    WhiteBox, reads_features)
 from specpool.target.features import FeatureGap
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
@@ -247,7 +247,7 @@ class HostingVerifier:
                 outcomes[i] = exc
                 continue
             if not drafting:
-                proposals[i] = Proposal([], [])
+                proposals[i] = Proposal([], [], source=UNDRAFTED_SOURCE)  # no arm's round (router/bandit.py)
             elif (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
                     and self.verifies_trees):
                 proposals[i] = self._guarded(draft.drafter, lambda: drafter.propose_tree(

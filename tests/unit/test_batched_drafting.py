@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpool.drafters.base import DraftRequest, propose_many
+from specpool.drafters.base import UNDRAFTED_SOURCE, DraftRequest, propose_many
 from specpool.drafters.eagle import EagleDrafter
 from specpool.drafters.lookup_first import LookupFirstDrafter
 from specpool.drafters.ngram import NGramDrafter
@@ -272,6 +272,7 @@ def test_behind_the_gate_a_batch_drafts_or_not_and_outputs_stay_the_targets(head
         for (proposal, result), session in zip(out, list(contexts)):
             if step and not gate.drafting:
                 assert proposal.tokens == [] and len(result.tokens) == 1  # a plain round
+                assert proposal.source == UNDRAFTED_SOURCE  # credited to no arm (router/bandit.py)
             drafted[gate.drafting] += len(proposal.tokens)
             contexts[session] += result.tokens
         assert gate.observed[-1][:2] == (3, gate.drafting)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpool.drafters.base import LOOKUP_SOURCE, Proposal
+from specpool.drafters.base import LOOKUP_SOURCE, UNDRAFTED_SOURCE, Proposal
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.drafters.lookup_first import LookupFirstDrafter
 from specpool.drafters.ngram import NGramDrafter
@@ -89,6 +89,20 @@ def test_a_shared_round_leaves_the_policy_state_as_it_was(policy_name):
     state, tenant = store.read(key)
     assert state["t"] == 1 and sum(st["n"] for st in state["arms"].values()) == 1
     assert set(tenant) == {arm} and chooser.trace[-1].credited is True
+
+
+def test_a_round_the_target_did_not_draft_is_credited_to_no_arm():
+    """The hosting target's load gate verified the round without drafting (specpool/router/hosted.py):
+    the arm was not asked, so its zero-token round must not count against it, whatever the pool."""
+    store, key = InMemorySessionStore(), SessionKey("acme", "s1")
+    chooser = BanditChooser(make_policy("metasd-ucb", ["eagle:a", "ngram"]), store, key, trace=True)
+    arm = chooser.select().drafter
+    chooser.update(RoundRecord(drafter=arm, k=4, proposed=0, accepted=0, emitted=1, bd=None, draft_s=0.0,
+                               verify_s=0.05, round_s=0.05, source=UNDRAFTED_SOURCE))
+    assert store.read(key)[0] is None and chooser.trace[-1].credited is False
+    arm = chooser.select().drafter
+    chooser.update(record(arm, 2))
+    assert store.read(key)[0]["arms"][arm]["n"] == 1
 
 
 def test_without_shared_sources_the_same_round_is_credited():
