@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             row = run_batch(head, metadata, seqs[:size], args.rounds, progress)
             rows.append(row)
-        stream = None
-        if args.stream_prompts > 0:
-            progress.set_description("batches under load")
+    stream = None
+    if args.stream_prompts > 0:
+        with tqdm(desc="batches under load (all systems)", unit="batch") as progress:
             stream = run_stream(engine, pick(by_category, args.stream_prompts), max(sizes), args.stream_tokens, progress)
     results = {"machine": machine_info("cpu"), "target": DEFAULT_TARGET, "head": args.head, "rounds": args.rounds,
                "stream": stream,

@@ -108,18 +108,22 @@ class LoadGate:
 
     Per batch size B ≥ 2, the gate keeps an exponentially weighted mean of the tokens per second a
     batch emitted (drafting plus verifying) when its hosted arms drafted and when they did not, and
-    drafts when drafting has measured faster. Every ``explore_every``-th batch of a size plays the
+    drafts when drafting has measured faster (batches holding a prompt's prefill are not measured).
+    Every ``explore_every``-th batch of a size plays the
     other choice, so a changed load keeps being measured (deterministic: no random draws), and each
     choice is played ``min_batches`` times first. A plain batch verifies its hosted rounds without a
     draft: target-only rounds, lossless as any. One session always drafts."""
 
-    def __init__(self, min_batches: int = 4, explore_every: int = 10, decay: float = 0.9):
+    def __init__(self, min_batches: int = 4, explore_every: int = 10, decay: float = 0.9, max_fed_per_row: int = 16):
         if min_batches < 1 or explore_every < 2 or not 0.0 < decay < 1.0:
             raise InvalidArgument(f"a load gate needs min_batches >= 1, explore_every >= 2 and decay in (0, 1); "
                                   f"got {min_batches}, {explore_every}, {decay}")
         self.min_batches = min_batches
         self.explore_every = explore_every
         self.decay = decay
+        # A batch where a session feeds more positions than this holds a prompt's prefill (or a long
+        # catch-up): it costs the same either way and would drown the difference, so it is not measured.
+        self.max_fed_per_row = max_fed_per_row
         self._rate: dict[tuple[int, bool], float] = {}  # (sessions, drafted) -> tokens per second, EW mean
         self._count: dict[tuple[int, bool], int] = {}
         self._batches: dict[int, int] = {}
@@ -137,15 +141,16 @@ class LoadGate:
         best = self._rate[sessions, True] >= self._rate[sessions, False]
         return (not best) if seen % self.explore_every == self.explore_every - 1 else best
 
-    def observe(self, sessions: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A batch of ``sessions`` sessions emitted ``tokens`` in ``seconds`` (drafting and verifying)."""
-        if sessions < 2 or seconds <= 0.0:
+    def observe(self, sessions: int, drafted: bool, tokens: int, seconds: float, most_fed: int = 0) -> None:
+        """A batch of ``sessions`` sessions emitted ``tokens`` in ``seconds`` (drafting and verifying),
+        the widest session feeding ``most_fed`` positions."""
+        self.plain_batches += sessions >= 2 and not drafted
+        if sessions < 2 or seconds <= 0.0 or most_fed > self.max_fed_per_row:
             return
         key = (sessions, drafted)
         rate = tokens / seconds
         self._rate[key] = rate if key not in self._rate else self.decay * self._rate[key] + (1 - self.decay) * rate
         self._count[key] = self._count.get(key, 0) + 1
-        self.plain_batches += not drafted
 
     def rates(self) -> dict[str, float]:
         """The measured means, "B drafted" / "B plain" -> tokens per second (for reports)."""
@@ -194,6 +199,7 @@ class HostingVerifier:
                     parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
                 ready.append((i, self._request_for(request, draft, proposal), proposal, draft))
         requests = [request for _, request, _, _ in ready]
+        most_fed = max((self.verifier.new_tokens(r) for r in requests), default=0) if self.gate is not None else 0
         results = self.verifier.verify_batch(requests) if requests else []
         for (i, request, proposal, draft), result in zip(ready, results):
             if isinstance(result, BaseException):
@@ -209,7 +215,7 @@ class HostingVerifier:
             outcomes[i] = (proposal, result)
         if self.gate is not None:
             self.gate.observe(len(items), drafting, sum(len(o[1].tokens) for o in outcomes if isinstance(o, tuple)),
-                              time.perf_counter() - started)
+                              time.perf_counter() - started, most_fed)
         return outcomes
 
     def release(self, session_id: str) -> None:

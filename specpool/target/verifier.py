@@ -136,7 +136,7 @@ class TargetVerifier:
         k = len(request.draft_tokens)
         cache = self.caches.get(request.session_id)
         ids = request.context_ids + request.draft_tokens
-        fed = self._new_tokens(request)
+        fed = self.new_tokens(request)
         pad_to = forward_width(fed, self.forward_widths)
         if len(ids) + pad_to - fed > self.context_window:
             pad_to = fed  # no room for pads at the end of the window
@@ -181,13 +181,13 @@ class TargetVerifier:
             if not self.batchable or any(requests[i].tree_parents is not None for i in wave):
                 groups = [[i] for i in wave]
             else:
-                new_tokens = [self._new_tokens(requests[i]) for i in wave]
+                new_tokens = [self.new_tokens(requests[i]) for i in wave]
                 groups = [[wave[j] for j in group] for group in plan_forwards(new_tokens, self.split_cost_tokens)]
             for group in groups:
                 self._verify_group([requests[i] for i in group], group, results)
         return results  # type: ignore[return-value]  # every slot is filled above
 
-    def _new_tokens(self, request: VerifyRequest) -> int:
+    def new_tokens(self, request: VerifyRequest) -> int:
         """How many tokens the forward must feed for ``request``: all but its reusable cached prefix."""
         ids = request.context_ids + request.draft_tokens
         return len(ids) - self.caches.get(request.session_id).reusable(ids, len(request.draft_tokens) + 1)

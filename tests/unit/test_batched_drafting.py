@@ -233,6 +233,9 @@ def test_the_gate_measures_both_choices_then_keeps_the_faster_and_keeps_explorin
     later = play(gate, 4, 20, {True: 40, False: 20})
     assert later[-4:] == [True, True, True, True]
     assert gate.rates()["4 drafted"] > gate.rates()["4 plain"]
+    before = gate.rates()
+    gate.observe(4, False, 1000, 1.0, most_fed=gate.max_fed_per_row + 1)  # a batch with a prompt's prefill
+    assert gate.rates() == before  # counted as plain, not measured
 
 
 @pytest.mark.parametrize("bad", [dict(min_batches=0), dict(explore_every=1), dict(decay=1.0)])
@@ -252,9 +255,9 @@ class Pinned(LoadGate):
     def drafts(self, sessions: int) -> bool:
         return self.drafting or sessions < 2
 
-    def observe(self, sessions, drafted, tokens, seconds):
+    def observe(self, sessions, drafted, tokens, seconds, most_fed=0):
         self.observed.append((sessions, drafted, tokens))
-        super().observe(sessions, drafted, tokens, seconds)
+        super().observe(sessions, drafted, tokens, seconds, most_fed)
 
 
 def test_behind_the_gate_a_batch_drafts_or_not_and_outputs_stay_the_targets(head, target_lm, prompts, greedy_reference):
