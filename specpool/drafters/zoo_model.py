@@ -144,14 +144,27 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, H, T, D), keys and values (B, KV, T, D) of ``x`` (B, T, d), rotated."""
         B, T, _ = x.shape
         c = self.config
         h = self.attn_norm(x)
-        q = self.q_proj(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q = self.q_proj(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output ``attn`` (B, H, T, D) and the MLP."""
+        B, T, _ = x.shape
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        T = x.shape[1]
+        c = self.config
+        q, k, v = self._qkv(x, cos, sin)
         past = 0
         if cache is not None:
             past = cache.layer_length(self.index)
@@ -166,9 +179,7 @@ class Block(nn.Module):
         else:  # T new queries after `past` cached positions
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self._out(x, attn)
 
     def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
                      lengths: list[int]) -> torch.Tensor:
@@ -180,14 +191,9 @@ class Block(nn.Module):
         Each row's output equals ``forward`` on that row alone with its cache, up to float
         round-off: the keys are right-padded to the longest row and masked, so a query sees its
         own row's cached positions and the new ones up to itself."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         c = self.config
-        h = self.attn_norm(x)
-        q = self.q_proj(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos/sin (B, 1, T, D): broadcast over heads
         keys, values = [], []
         for i, (cache, n) in enumerate(zip(caches, lengths)):  # each cache keeps its row's real positions
             row_k, row_v = cache.update(self.index, k[i:i + 1, :, :n], v[i:i + 1, :, :n])  # (1, KV, P_i + n, D)
@@ -205,10 +211,7 @@ class Block(nn.Module):
         past = totals - torch.tensor(lengths, device=x.device)  # (B,) P_i
         limit = torch.minimum(past[:, None] + torch.arange(1, T + 1, device=x.device)[None, :], totals[:, None])  # (B, T)
         mask = torch.arange(width, device=x.device)[None, None, :] < limit[:, :, None]  # (B, T, L)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self._out(x, F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)))
 
 
 class ZooLM(nn.Module):
