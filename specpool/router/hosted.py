@@ -37,7 +37,6 @@ from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class HostedDraft:
     """What a round asks of a verifier that hosts drafters, beside the ``VerifyRequest``."""
@@ -109,10 +108,10 @@ class LoadGate:
     Per batch size B ≥ 2, the gate keeps an exponentially weighted mean of the tokens per second a
     batch emitted (drafting plus verifying) when its hosted arms drafted and when they did not, and
     drafts when drafting has measured faster (batches holding a prompt's prefill are not measured).
-    Every ``explore_every``-th batch of a size plays the
-    other choice, so a changed load keeps being measured (deterministic: no random draws), and each
-    choice is played ``min_batches`` times first. A plain batch verifies its hosted rounds without a
-    draft: target-only rounds, lossless as any. One session always drafts."""
+    Every ``explore_every``-th batch of a size plays the other choice, so a changed load keeps being
+    measured (deterministic: no random draws), and each choice is played ``min_batches`` times
+    first. A plain batch verifies its hosted rounds without a draft: target-only rounds, lossless as
+    any. One session always drafts; a batch that asks no hosted arm for a draft is not the gate's."""
 
     def __init__(self, min_batches: int = 4, explore_every: int = 10, decay: float = 0.9, max_fed_per_row: int = 16):
         if min_batches < 1 or explore_every < 2 or not 0.0 < decay < 1.0:
@@ -189,7 +188,8 @@ class HostingVerifier:
         is its error; the others go on."""
         started = time.perf_counter()
         outcomes: list = [None] * len(items)
-        drafting = self.gate is None or self.gate.drafts(len(items))
+        gated = self.gate is not None and any(d is not None and d.drafter is not None and d.k > 0 for _, d in items)
+        drafting = not gated or self.gate.drafts(len(items))
         proposals = self._draft_all(items, outcomes, drafting)
         ready: list[tuple[int, VerifyRequest, Proposal, HostedDraft | None]] = []
         for i, (request, draft) in enumerate(items):
@@ -199,7 +199,7 @@ class HostingVerifier:
                     parents=tuple(request.tree_parents) if request.tree_parents is not None else None)
                 ready.append((i, self._request_for(request, draft, proposal), proposal, draft))
         requests = [request for _, request, _, _ in ready]
-        most_fed = max((self.verifier.new_tokens(r) for r in requests), default=0) if self.gate is not None else 0
+        most_fed = max((self.verifier.new_tokens(r) for r in requests), default=0) if gated else 0
         results = self.verifier.verify_batch(requests) if requests else []
         for (i, request, proposal, draft), result in zip(ready, results):
             if isinstance(result, BaseException):
@@ -213,7 +213,7 @@ class HostingVerifier:
             if not items[i][0].return_features and result.features is not None:
                 result = dataclasses.replace(result, features=None)  # read here; the caller did not ask
             outcomes[i] = (proposal, result)
-        if self.gate is not None:
+        if gated:
             self.gate.observe(len(items), drafting, sum(len(o[1].tokens) for o in outcomes if isinstance(o, tuple)),
                               time.perf_counter() - started, most_fed)
         return outcomes
