@@ -256,18 +256,26 @@ class EagleDrafter:
         q: list[SparseDist] = []
         for i in range(k):
             logits = self.head.reduced_logits(guess)  # (V_r,)
-            dist = proposal_dist(logits, params, self.top_k, self.output_ids)
-            tokens.append(sample_draft(dist, params, n + i))
+            token, dist, more = self._draw(logits, params, n, i, k)
+            tokens.append(token)
             q.append(dist)
             if runners_up is not None and i < self.alternatives:
                 probs, ids = torch.softmax(logits.float(), dim=-1).topk(2)  # (2,), best first
                 runners_up.append((int(self.output_ids[int(ids[1])]), float(probs[1])))
-            if i + 1 == k or confidence_stop(logits, i, k, self.confidence_threshold):
+            if not more:
                 break
             step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self.head.device)  # (1, 1)
             guess = self.head(step, guess.view(1, 1, -1), session.cache)[0, -1]  # position n-1+i
         session.crop(n - 1)  # draft positions read guessed features; the next round has the target's
         return Proposal(tokens, q, time.perf_counter() - started)
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, n: int, i: int, k: int) -> tuple[int, SparseDist, bool]:
+        """Draft token i of a chain after a context of n tokens, from the head's logits (V_r,): the
+        token, its q, and whether the chain goes on (not at k, not stopped by the head's doubt).
+        ``_draft`` and ``propose_batch`` draw and stop by this one rule."""
+        dist = proposal_dist(logits, params, self.top_k, self.output_ids)
+        more = i + 1 < k and not confidence_stop(logits, i, k, self.confidence_threshold)
+        return sample_draft(dist, params, n + i), dist, more
 
     @torch.inference_mode()
     def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
@@ -407,10 +415,10 @@ class EagleDrafter:
             going = []
             for row, i in enumerate(active):
                 r = requests[i]
-                dist = proposal_dist(logits[row], r.params, self.top_k, self.output_ids)
-                tokens[i].append(sample_draft(dist, r.params, len(r.context_ids) + step))
+                token, dist, more = self._draw(logits[row], r.params, len(r.context_ids), step, r.k)
+                tokens[i].append(token)
                 q[i].append(dist)
-                if step + 1 < r.k and not confidence_stop(logits[row], step, r.k, self.confidence_threshold):
+                if more:
                     going.append(i)
             if not going:
                 break
