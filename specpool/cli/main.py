@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--reference-answers", type=int, default=0, metavar="N",
                        help="eagle only: also read up to N corpus (prompt, reference answer) pairs teacher-forced "
                             "(one target forward each, far cheaper than answering): more data per CPU hour")
+    train.add_argument("--head-layers", type=int, default=1, metavar="N",
+                       help="eagle only: decoder blocks in the head (EAGLE's 1; with --init-from, blocks the source "
+                            "lacks start as the identity)")
+    train.add_argument("--storage", choices=("float16", "int8"), default="float16",
+                       help="eagle only: on-disk weights; int8 keeps the blocks' matrices as int8 with a float16 scale "
+                            "per row (half the size: two blocks fit a 10 MB head)")
     train.add_argument("--onpolicy-weight", type=int, default=1, metavar="W",
                        help="eagle only: each on-policy answer counts W times beside the reference answers")
     train.add_argument("--init-from", default=None, metavar="DRAFTER",
@@ -334,7 +340,8 @@ def cmd_zoo_train(args: argparse.Namespace, settings, argv: Sequence[str]) -> in
 
         options = HeadOptions(recipe=args.recipe, unroll=args.unroll, init_from=args.init_from,
                               regression_weight=args.regression_weight, reference_answers=args.reference_answers,
-                              onpolicy_weight=args.onpolicy_weight)
+                              onpolicy_weight=args.onpolicy_weight, num_layers=args.head_layers,
+                              storage=args.storage)
         metadata = train_head(replace(config, init_from=None), options, settings.home, out, args.resume,
                               args.target or DEFAULT_TARGET, device=args.device, teacher_only=args.teacher_only)
         if args.teacher_only:

@@ -38,6 +38,7 @@ from specpool.drafters.base import CostMeter, DraftRequest, Proposal, leading_ma
 from specpool.drafters.eagle_model import EagleConfig, EagleHead
 from specpool.drafters.hf_model import confidence_stop, proposal_dist, sample_draft
 from specpool.drafters.registry import DrafterContext, register_drafter, register_name_resolver
+from specpool.drafters.weight_storage import unpack
 from specpool.drafters.zoo_model import KVCache
 from specpool.target.features import Features, FeatureLog
 from specpool.target.kv_cache import common_prefix_length
@@ -122,7 +123,7 @@ def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") 
         raise InvalidArgument(f"{folder} reads target layers {list(config.feature_layers)} beside the final feature; "
                               "the target's verification returns the final feature only, so it cannot draft")
     head = EagleHead(config, embedding, weights["vocab_ids"].long(), output)
-    head.load_state_dict({k: v.float() if v.is_floating_point() else v.long() for k, v in weights.items()})
+    head.load_state_dict(unpack(weights))  # float16 or int8 storage (weight_storage.py)
     head.to(device).eval()
     return head, metadata
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.drafters.registry import DrafterContext, register_drafter, register_name_resolver
+from specpool.drafters.weight_storage import unpack
 from specpool.drafters.zoo_model import ZooConfig, ZooLM
 from specpool.core.errors import InvalidArgument, ModelUnavailable
 from specpool.target.models import ModelConfig, resolve_model
@@ -52,7 +53,7 @@ def load_zoo_model(folder: Path, home: Path, target: str, device: str = "cpu") -
     except Exception as exc:  # noqa: BLE001
         raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
     model = ZooLM(ZooConfig(**metadata["model"]), embedding, weights["vocab_ids"].long())
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v.long() for k, v in weights.items()})
+    model.load_state_dict(unpack(weights))  # float16 or int8 storage (weight_storage.py)
     model.to(device).eval()
     return model, metadata
 

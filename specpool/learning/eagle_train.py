@@ -40,6 +40,7 @@ from tqdm import tqdm
 from specpool.core.errors import InvalidArgument
 from specpool.drafters.eagle import HEAD_KIND, target_card
 from specpool.drafters.eagle_model import EagleConfig, EagleHead, init_from_target
+from specpool.drafters.weight_storage import STORAGES
 from specpool.learning.zoo_data import collect_pairs, collect_prompts
 from specpool.learning.zoo_train import (
     TrainConfig, TrainingError, TrainState, _atomic_save, _check_train_config, _lr, batch_indices, build_vocab,
@@ -61,6 +62,10 @@ class HeadOptions:
     recipe: str = "eagle"
     unroll: int = 3  # steps of the ``unroll`` recipe
     intermediate_size: int = 1536  # the head block's MLP width
+    num_layers: int = 1  # decoder blocks (EAGLE's one; a warm start's missing blocks begin as the identity)
+    # On-disk weights: float16, or int8 with a float16 scale per output row for the blocks' and the
+    # fusion's matrices (``specpool.drafters.weight_storage``): two blocks fit the 10 MB a head may take.
+    storage: str = "float16"
     init_layer: int = -1  # target layer that warm-starts the block (-1: the last)
     init_from: str | None = None  # a trained head (shipped name or folder) to start from instead
     # Loss = regression_weight * SmoothL1(f^, f) + CE to the target's top-K (EAGLE-1 weighs the
@@ -372,9 +377,10 @@ def train_head_steps(head: EagleHead, sequences: list[FeatureSequence], heldout:
 
 def head_config_for(target_config, config: TrainConfig, options: HeadOptions) -> EagleConfig:
     """A head shape that plugs into this target: the zoo's (width, heads, RoPE, reduced vocabulary)
-    with the head's MLP width and one block."""
+    with the head's MLP width and its own number of blocks."""
     shape = zoo_config_for(target_config, replace(config, intermediate_size=options.intermediate_size)).to_dict()
-    return EagleConfig(**{k: v for k, v in shape.items() if k in EagleConfig.__dataclass_fields__ and k != "num_layers"})
+    shape["num_layers"] = options.num_layers
+    return EagleConfig(**{k: v for k, v in shape.items() if k in EagleConfig.__dataclass_fields__})
 
 
 def head_card(metadata: dict) -> str:
@@ -419,6 +425,10 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
         raise InvalidArgument(f"unknown recipe {options.recipe!r}; known: {', '.join(RECIPES)}")
     if options.unroll < 1:
         raise InvalidArgument(f"--unroll must be >= 1, got {options.unroll}")
+    if options.num_layers < 1:
+        raise InvalidArgument(f"--head-layers must be >= 1, got {options.num_layers}")
+    if options.storage not in STORAGES:
+        raise InvalidArgument(f"unknown --storage {options.storage!r}; known: {', '.join(STORAGES)}")
     if not config.features_context:
         config = replace(config, features_context=DEFAULT_FEATURES_CONTEXT)
     _check_train_config(config)
@@ -520,7 +530,8 @@ def train_head(config: TrainConfig, options: HeadOptions, home: Path, out: Path,
         "seed": config.seed,
         "train_config": {**{k: v for k, v in asdict(config).items() if k != "data"}, "head": asdict(options)},
     }
-    export_drafter(head, out, metadata, head_card(metadata))  # type: ignore[arg-type]
+    metadata["storage"] = options.storage
+    export_drafter(head, out, metadata, head_card(metadata), storage=options.storage)  # type: ignore[arg-type]
     return metadata
 
 
@@ -535,9 +546,21 @@ def _source_head(spec: str, home: Path, target_name: str) -> EagleHead:
 
 
 def _init_from_head(head: EagleHead, source: EagleHead) -> None:
-    """Start from a trained head's weights (its vocabulary's biases where the vocabularies meet)."""
+    """Start from a trained head's weights (its vocabulary's biases where the vocabularies meet).
+
+    Blocks the source lacks (a deeper head grown from a one-block one) are appended with their
+    attention and MLP output projections zeroed: each adds nothing to the residual stream at first,
+    so the grown head drafts exactly as its source did and training starts from there (their
+    projections still get gradients through the zeroed outputs)."""
+    if source.config.num_layers > head.config.num_layers:
+        raise InvalidArgument(f"--init-from has {source.config.num_layers} blocks; this head has "
+                              f"{head.config.num_layers} (--head-layers cannot drop blocks)")
     state = {k: v for k, v in source.state_dict().items() if k not in ("vocab_ids", "head_bias")}
     head.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for block in head.blocks[source.config.num_layers:]:
+            block.o_proj.weight.zero_()
+            block.down_proj.weight.zero_()
     with torch.no_grad():  # biases of shared vocabulary entries carry over
         index = source.reduced_index()[head.vocab_ids]  # (V_r,) 1 + index in the source, 0 if absent
         present = index > 0

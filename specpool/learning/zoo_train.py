@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specpool.learning.zoo_data import check_domain, collect_prompts
+from specpool.drafters.weight_storage import pack
 from specpool.drafters.zoo_model import ZooConfig, ZooLM, init_from_target_layers
 from specpool.core.errors import InvalidArgument, NotFound, SpecpoolError
 
@@ -514,14 +515,14 @@ def check_output_dir(out: Path) -> None:
     check_writable(parent)
 
 
-def export_drafter(model: ZooLM, out: Path, metadata: dict, card: str) -> None:
-    """Write model.safetensors (float16 layers, int32 vocabulary ids), config.json and README.md
+def export_drafter(model: ZooLM, out: Path, metadata: dict, card: str, storage: str = "float16") -> None:
+    """Write model.safetensors (float16 layers, or int8 matrices with row scales where ``storage``
+    is int8: specpool/drafters/weight_storage.py; int32 vocabulary ids), config.json and README.md
     into ``out`` atomically: a temporary sibling folder renamed over the final one."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        tensors = {k: (v.to(torch.int32) if k == "vocab_ids" else v.to(torch.float16)).contiguous()
-                   for k, v in model.state_dict().items()}
+        tensors = pack(model.state_dict(), storage)
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(metadata, indent=2) + "\n")
         (tmp / "README.md").write_text(card)

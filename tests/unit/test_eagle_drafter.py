@@ -48,19 +48,19 @@ def final_hidden(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True).hidden_states[-1][0]
 
 
-def tiny_head_config() -> EagleConfig:
-    return EagleConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
+def tiny_head_config(num_layers: int = 1) -> EagleConfig:
+    return EagleConfig(hidden_size=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, intermediate_size=64,
                        reduced_vocab=REDUCED_VOCAB, rope_theta=10000.0, rms_eps=1e-6, max_positions=256)
 
 
-def fit_head(model, target_dir: Path, sequences: list[list[int]], steps: int = 150) -> EagleHead:
+def fit_head(model, target_dir: Path, sequences: list[list[int]], steps: int = 150, num_layers: int = 1) -> EagleHead:
     """A head fitted to the target's features on ``sequences`` (teacher-forced EAGLE loss), ~1 s:
     good enough to be accepted often on the tiny target's loops."""
     torch.manual_seed(0)
     counts = Counter(t for s in sequences for t in s)
     vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(REDUCED_VOCAB)))  # (V_r,): the most seen
     weights = load_file(str(target_dir / "model.safetensors"))  # the loaded target's linears are packed
-    head = EagleHead(tiny_head_config(), weights["model.embed_tokens.weight"], vocab_ids, weights["lm_head.weight"])
+    head = EagleHead(tiny_head_config(num_layers), weights["model.embed_tokens.weight"], vocab_ids, weights["lm_head.weight"])
     index = torch.full((64,), -1, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
     tail = min(len(s) for s in sequences)
@@ -78,7 +78,7 @@ def fit_head(model, target_dir: Path, sequences: list[list[int]], steps: int = 1
     return head.eval()
 
 
-def write_head(folder: Path, head: EagleHead, target_dir: Path, tokenizer, **changes) -> Path:
+def write_head(folder: Path, head: EagleHead, target_dir: Path, tokenizer, storage: str = "float16", **changes) -> Path:
     """Export ``head`` as training does, its card naming the tiny target (``changes`` edit it)."""
     metadata = {
         "name": folder.name, "kind": "eagle", "target": str(target_dir),
@@ -86,7 +86,7 @@ def write_head(folder: Path, head: EagleHead, target_dir: Path, tokenizer, **cha
         "target_card": target_card(target_dir), "model": head.config.to_dict(),
     }
     metadata.update(changes)
-    export_drafter(head, folder, metadata, "# a test head\n")  # type: ignore[arg-type]
+    export_drafter(head, folder, metadata, "# a test head\n", storage=storage)  # type: ignore[arg-type]
     return folder
 
 
