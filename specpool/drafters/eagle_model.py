@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpool.drafters.zoo_model import Block, KVCache, RMSNorm, rope_tables, vocabulary_index
-from specpool.target.cpu_linear import FrozenOutput
+from specpool.target.cpu_linear import FrozenOutput, InferenceLinear
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,10 @@ class EagleHead(nn.Module):
         # the fusion's input balanced (EAGLE-3 normalises both; the embedding of a tied target
         # already has the LM head's scale).
         self.feature_norm = RMSNorm(d, config.rms_eps)
-        self.fuse = nn.Linear(2 * d, d, bias=False)  # [embedding ; feature] -> d
+        self.fuse = InferenceLinear(2 * d, d, bias=False)  # [embedding ; feature] -> d
         if config.feature_layers:  # added to the fusion; zero at first, so a warm start drafts as before
             self.layer_norms = nn.ModuleList(RMSNorm(d, config.rms_eps) for _ in config.feature_layers)
-            self.layer_fuse = nn.Linear(d * len(config.feature_layers), d, bias=False)
+            self.layer_fuse = InferenceLinear(d * len(config.feature_layers), d, bias=False)
             nn.init.zeros_(self.layer_fuse.weight)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))  # type: ignore[arg-type]
         self.norm = RMSNorm(d, config.rms_eps)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpool.target.cpu_linear import FrozenOutput
+from specpool.target.cpu_linear import FrozenOutput, InferenceLinear
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,14 @@ class Block(nn.Module):
         self.config = config
         d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.attn_norm = RMSNorm(d, config.rms_eps)
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kv * hd, bias=False)
-        self.v_proj = nn.Linear(d, kv * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_proj = InferenceLinear(d, h * hd, bias=False)
+        self.k_proj = InferenceLinear(d, kv * hd, bias=False)
+        self.v_proj = InferenceLinear(d, kv * hd, bias=False)
+        self.o_proj = InferenceLinear(h * hd, d, bias=False)
         self.mlp_norm = RMSNorm(d, config.rms_eps)
-        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        self.gate_proj = InferenceLinear(d, config.intermediate_size, bias=False)
+        self.up_proj = InferenceLinear(d, config.intermediate_size, bias=False)
+        self.down_proj = InferenceLinear(config.intermediate_size, d, bias=False)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, H, T, D), keys and values (B, KV, T, D) of ``x`` (B, T, d), rotated."""

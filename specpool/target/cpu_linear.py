@@ -111,6 +111,8 @@ class FrozenOutput:
 
     def __init__(self):
         self._source: torch.Tensor | None = None  # the weight the packed copy was made from
+        self._version: int = -1  # its version counter then: a trained weight changes in place
+        self._sample: torch.Tensor | None = None  # and some of its values (see ``_changed``)
         self._packed: torch.Tensor | None = None
 
     # A copy (a drafter's deepcopy, a pickle to another process) starts unpacked: the packed
@@ -128,11 +130,48 @@ class FrozenOutput:
         if (torch.is_grad_enabled() or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
                 or weight.dtype != torch.float32 or not packed_linear_available()):
             return nn.functional.linear(hidden, weight, bias)
-        if self._source is not weight:  # a new vocabulary, device or gather: pack again
+        if self._changed(weight):  # a new weight, or this one trained in place: pack again
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self._source = weight
+            self._version = 0 if weight.is_inference() else weight._version
+            self._sample = self._values(weight).clone()
         rows = hidden.reshape(-1, weight.shape[1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, None if bias is None else bias.detach(), "none", [], "")
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def _values(weight: torch.Tensor) -> torch.Tensor:
+        """About 64 of the weight's values, evenly strided (a view: ``clone`` it to keep it)."""
+        flat = weight.detach().reshape(-1)
+        return flat[:: max(1, flat.numel() // 64)]
+
+    def _changed(self, weight: torch.Tensor) -> bool:
+        """Whether the packed copy is not ``weight``'s current values. Its version counter catches
+        optimiser steps and ``load_state_dict``; writes it does not count (through ``.data``, or
+        a state_dict view taken under inference mode; inference tensors keep no counter at all)
+        still change the sampled values: any training update or weight swap changes nearly all."""
+        if self._source is not weight or self._sample is None:
+            return True
+        if not weight.is_inference() and weight._version != self._version:
+            return True
+        return not torch.equal(self._values(weight), self._sample)
+
+
+class InferenceLinear(nn.Linear):
+    """``nn.Linear`` whose inference calls run oneDNN's packed kernel (``FrozenOutput``) on a CPU.
+
+    For a drafter's own layers, which keep training while they serve (the online learner, a hot
+    swap): the parameters, state_dict and autograd are ``nn.Linear``'s; a call without gradients
+    packs the weight on first use and again whenever it changed in place (its version counter), so
+    a draft always reads the current weights. Unlike ``PackedLinear`` (the frozen target) nothing
+    is replaced at load time. A drafter's catch-up forward feeds 2 to 8 positions, where plain
+    float32 ``F.linear`` is slowest (the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kernel = FrozenOutput()  # not a module: copies and pickles start unpacked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.weight, self.bias)

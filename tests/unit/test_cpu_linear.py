@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specpool.core.errors import InvalidArgument
-from specpool.target.cpu_linear import FrozenOutput, PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
+from specpool.target.cpu_linear import FrozenOutput, InferenceLinear, PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
 from specpool.target.kv_cache import PrefixCache
 from specpool.target.models import ModelConfig, load_causal_lm
 from specpool.target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
@@ -194,3 +194,51 @@ def test_frozen_output_packs_in_inference_and_keeps_autograd_in_training():
     with torch.no_grad():  # other dtypes keep F.linear
         half = output(hidden.double(), weight.double(), None)
     assert half.dtype == torch.float64
+
+
+# -- a drafter's own layers (InferenceLinear) --------------------------------------------------------------
+
+
+@needs_onednn
+def test_inference_linear_packs_for_drafting_and_follows_every_kind_of_weight_change():
+    """Drafting reads the packed kernel; training keeps autograd; whatever changes the weight (an
+    optimiser step, load_state_dict, a write through .data, a state_dict view written under
+    inference mode) is what the next draft reads."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    layer = InferenceLinear(24, 40, bias=False)
+    plain = nn.Linear(24, 40, bias=False)
+    x = torch.randn(3, 5, 24)
+
+    def check() -> None:
+        plain.load_state_dict(layer.state_dict())
+        with torch.inference_mode():
+            got = layer(x)
+            assert layer._kernel._packed is not None  # the packed path ran
+            torch.testing.assert_close(got, plain(x), atol=1e-4, rtol=1e-4)
+
+    check()
+    packed = layer._kernel._packed
+    with torch.inference_mode():
+        layer(x)
+    assert layer._kernel._packed is packed  # unchanged weight: not packed again
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    loss = layer(x).square().sum()  # gradients wanted: F.linear, differentiable
+    loss.backward()
+    assert layer.weight.grad is not None
+    optimizer.step()
+    check()
+    layer.load_state_dict({"weight": torch.randn(40, 24)})
+    check()
+    layer.weight.data.mul_(0.5)  # no version bump
+    check()
+    with torch.inference_mode():
+        layer.state_dict()["weight"].add_(1.0)  # an inference-mode view: no version bump either
+    check()
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # copies start unpacked and agree
+        assert clone._kernel._packed is None
+        with torch.inference_mode():
+            torch.testing.assert_close(clone(x), layer(x), atol=1e-5, rtol=1e-5)
+    assert set(layer.state_dict()) == {"weight"}  # nothing of the kernel in checkpoints
