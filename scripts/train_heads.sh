@@ -122,3 +122,13 @@ if [ "${SELF_PROMPTS_STAGE:-0}" = 1 ]; then
     --warmup 20 --save-every 150 --init-from general --reduced-vocab 12288 --out /tmp/heads/general-v8
   echo "compare /tmp/heads/general-v8 with the shipped head (specpool bench, side by side) before shipping it"
 fi
+# 9. A deeper head: step 6's general head grown to two blocks (the new block starts as the identity),
+#    1,000 steps on the same 1,600 answers, stored in int8 to fit 10 MB (7.8 MB). ~30 minutes on the
+#    2-core AMD EPYC (1.5-1.7 s a step). Tried and NOT shipped: held-out 2.30 -> 2.31 tokens per round,
+#    dev 1.77 -> 1.77 behind prompt lookup at 1.6x the draft time (bench/results/white-box-two-blocks).
+if [ "${DEEP_STAGE:-0}" = 1 ]; then
+  specpool zoo train $COMMON --domain general --data-root "$DATA" --max-prompts 1600 --teacher-time-limit 0.005 \
+    --recipe unroll --unroll 2 --batch-size 8 --context-tokens 128 --steps 1000 --lr 5e-4 --warmup 20 \
+    --save-every 100 --init-from general --head-layers 2 --storage int8 --out /tmp/heads/general-2b
+  echo "compare /tmp/heads/general-2b with the shipped head (specpool bench, side by side) before shipping it"
+fi

@@ -404,6 +404,7 @@ def head_card(metadata: dict) -> str:
         f"| held-out tokens per round (k = 5, greedy, no stop): start, best (step) | "
         f"{curve[0] if curve else 'n/a'}, {metadata['best_heldout_acceptance']} ({metadata['best_step']}) |",
         f"| own parameters | {metadata['own_parameters']} |",
+        f"| decoder blocks, weights on disk | {metadata['model'].get('num_layers', 1)}, {metadata.get('storage', 'float16')} |",
         f"| reduced vocabulary | {metadata['model']['reduced_vocab']} tokens |",
         f"| seed, device | {metadata['seed']}, {metadata['device']} |",
         "",

@@ -142,6 +142,7 @@ def test_training_grows_a_head_and_ships_it_in_int8_at_about_half_the_size(runs,
     card = json.loads((out / "config.json").read_text())
     assert card["model"]["num_layers"] == 2 and card["storage"] == "int8" and card["train_config"]["head"]["num_layers"] == 2
     assert metadata["steps"] == 4
+    assert "| decoder blocks, weights on disk | 2, int8 |" in (out / "README.md").read_text()
     head, _ = load_eagle_head(out, head_home, str(model_dirs.target))
     assert head.config.num_layers == 2
     float16 = tmp_path / "grown-f16"
