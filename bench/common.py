@@ -165,3 +165,12 @@ def percentile(values: list[float], q: float) -> float:
 def summary(values: list[float]) -> dict:
     """Median with the interquartile range, as the timing reports give them."""
     return {"median": statistics.median(values), "p25": percentile(values, 0.25), "p75": percentile(values, 0.75)}
+
+
+def write_results(out: str | Path, results: dict) -> Path:
+    """``results`` as ``OUT/results.json`` (the folder made if need be); returns the file."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "results.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path

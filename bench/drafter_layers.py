@@ -20,12 +20,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import default_out, machine_info
+from bench.common import default_out, machine_info, summary, write_results
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.eagle import EagleDrafter, head_folder, load_eagle_head
 from specpool.services.config import settings_from_env
@@ -61,12 +60,6 @@ def draft_rounds(head, metadata: dict, packed: bool, rounds: int) -> tuple[float
         InferenceLinear.forward = PACKED_FORWARD
 
 
-def quartiles(values: list[float]) -> list[float]:
-    ordered = sorted(values)
-    return [round(statistics.median(ordered), 3), round(ordered[len(ordered) // 4], 3),
-            round(ordered[(3 * len(ordered)) // 4], 3)]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.drafter_layers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", default="general", help="shipped head (or head folder) that drafts")
@@ -89,12 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": machine_info("cpu"), "head": args.head, "rounds": args.rounds,
                "repetitions": args.repetitions, "packed_ms_per_propose": round(statistics.median(times[True]), 2),
                "plain_ms_per_propose": round(statistics.median(times[False]), 2),
-               "packed_over_plain_median_p25_p75": quartiles(ratios), "identical_drafts": same}
+               "packed_over_plain": {k: round(v, 3) for k, v in summary(ratios).items()}, "identical_drafts": same}
     print(json.dumps(results), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out / 'results.json'}")
+    print(f"wrote {write_results(args.out, results)}")
     return 0
 
 

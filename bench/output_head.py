@@ -18,12 +18,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import default_out, machine_info
+from bench.common import default_out, machine_info, write_results
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.eagle import head_folder, load_eagle_head
 from specpool.services.config import settings_from_env
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     results = {"machine": machine_info("cpu"), "head": args.head, "weight": list(weight.shape),
                "calls": args.calls, "blocks": args.blocks, "rows": rows_out}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out / 'results.json'}")
+    print(f"wrote {write_results(args.out, results)}")
     return 0
 
 
