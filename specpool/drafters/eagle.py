@@ -115,7 +115,7 @@ def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") 
         embedding = handle.get_tensor("model.embed_tokens.weight").float()  # (V, d), frozen, shared
         output = handle.get_tensor("lm_head.weight").float() if "lm_head.weight" in handle.keys() else None
     try:
-        weights = load_file(str(weights_path))
+        weights = unpack(load_file(str(weights_path)))  # float16 or int8 storage (weight_storage.py)
     except Exception as exc:  # noqa: BLE001 - any unreadable file means the same to the user
         raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
     config = EagleConfig(**metadata["model"])
@@ -123,7 +123,7 @@ def load_eagle_head(folder: Path, home: Path, target: str, device: str = "cpu") 
         raise InvalidArgument(f"{folder} reads target layers {list(config.feature_layers)} beside the final feature; "
                               "the target's verification returns the final feature only, so it cannot draft")
     head = EagleHead(config, embedding, weights["vocab_ids"].long(), output)
-    head.load_state_dict(unpack(weights))  # float16 or int8 storage (weight_storage.py)
+    head.load_state_dict(weights)
     head.to(device).eval()
     return head, metadata
 

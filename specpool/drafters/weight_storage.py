@@ -1,6 +1,6 @@
 """How a drafter's weights are stored on disk: float16, or int8 matrices with a float16 scale per row.
 
-A shipped head may take 10 MB (docs/ARCHITECTURE.md, "White-box heads"). In float16 that is one
+A shipped head may take 10 MB (docs/ARCHITECTURE.md, "White-box drafters"). In float16 that is one
 decoder block at the default target's width; int8 storage halves the matrices so a head can have
 two. Only the storage is quantised: loading dequantises to float32 (``unpack``), so drafting,
 verification and training run exactly as for a float16 head whose weights happen to be these
@@ -56,7 +56,3 @@ def unpack(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = value.float() if value.is_floating_point() else value.long()
     return out
 
-
-def storage_of(weights: dict[str, torch.Tensor]) -> str:
-    """``int8`` if any tensor of ``weights`` was stored quantised, else ``float16``."""
-    return "int8" if any(name.endswith(SCALE_SUFFIX) for name in weights) else "float16"

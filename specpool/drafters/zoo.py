@@ -49,11 +49,11 @@ def load_zoo_model(folder: Path, home: Path, target: str, device: str = "cpu") -
     with safe_open(str(target_dir / "model.safetensors"), framework="pt") as handle:
         embedding = handle.get_tensor("model.embed_tokens.weight").float()  # (V, d) frozen, shared
     try:
-        weights = load_file(str(weights_path))
+        weights = unpack(load_file(str(weights_path)))  # float16 or int8 storage (weight_storage.py)
     except Exception as exc:  # noqa: BLE001
         raise ModelUnavailable(f"{weights_path} is unreadable ({exc})") from exc
     model = ZooLM(ZooConfig(**metadata["model"]), embedding, weights["vocab_ids"].long())
-    model.load_state_dict(unpack(weights))  # float16 or int8 storage (weight_storage.py)
+    model.load_state_dict(weights)
     model.to(device).eval()
     return model, metadata
 

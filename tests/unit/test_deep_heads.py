@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from specpool.drafters.base import DraftRequest
 from specpool.drafters.eagle import load_eagle_head
 from specpool.drafters.eagle_model import EagleHead
-from specpool.drafters.weight_storage import SCALE_SUFFIX, pack, storage_of, unpack
+from specpool.drafters.weight_storage import SCALE_SUFFIX, pack, unpack
 from specpool.learning.eagle_train import _init_from_head, train_head
 from specpool.router.loop import FixedChooser
 from specpool.target.verifier import TargetVerifier
@@ -38,7 +38,6 @@ def test_int8_rounds_each_row_within_half_a_step_and_leaves_the_rest_as_float16(
     assert packed["blocks.0.q_proj.weight"].dtype == packed["fuse.weight"].dtype == torch.int8
     assert packed["blocks.0.attn_norm.weight"].dtype == packed["head_bias"].dtype == torch.float16  # vectors stay
     assert packed["vocab_ids"].dtype == torch.int32
-    assert storage_of(packed) == "int8" and storage_of(pack(state)) == "float16"
     restored = unpack(packed)
     assert restored.keys() == state.keys() and restored["vocab_ids"].dtype == torch.long
     for name in ("blocks.0.q_proj.weight", "fuse.weight"):
@@ -157,3 +156,21 @@ def test_training_grows_a_head_and_ships_it_in_int8_at_about_half_the_size(runs,
     with pytest.raises(Exception, match="--storage"):
         train_head(tiny_config(corpus), dataclasses.replace(options, storage="int4"), head_home, tmp_path / "y",
                    resume=False, target_name=str(model_dirs.target))
+
+
+def test_an_int8_head_missing_a_scale_is_refused_in_one_line(deep, tmp_path, home, model_dirs):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from specpool.core.errors import ModelUnavailable
+
+    _, _, folder = deep
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["blocks.0.q_proj.weight" + SCALE_SUFFIX]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ModelUnavailable, match="unreadable.*no :int8_row_scale") as caught:
+        load_eagle_head(broken, home, str(model_dirs.target))
+    assert "\n" not in str(caught.value)
