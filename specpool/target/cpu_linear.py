@@ -33,6 +33,16 @@ def packed_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for (..., in) float32 CPU rows, ``packed`` being W in oneDNN's layout
+    (``torch.ops.mkldnn._reorder_linear_weight``)."""
+    rows = x.reshape(-1, x.shape[-1])  # (N, in)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # (N, out)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` (inference) whose weight is packed once for oneDNN's CPU GEMM."""
 
@@ -48,11 +58,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise RuntimeError(f"PackedLinear is float32 CPU only, got {x.dtype} on {x.device}")
-        rows = x.reshape(-1, self.in_features)  # (N, in)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (N, out)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -104,8 +110,9 @@ class FrozenOutput:
     The output head is most of a small drafter's draft step, and float32 ``F.linear`` is slow there:
     on a 2-core AMD EPYC, the shipped general head's (8192 x 576) took 1.35 ms for one row and 3.0 ms
     for four, packed for oneDNN 0.59 ms and 0.67 ms (``python -m bench.output_head``).
-    So a drafter packs its gathered weight once, on its first call in inference, and calls the
-    packed kernel when nothing needs gradients; training (autograd) keeps ``F.linear``. Which one
+    So a drafter packs its gathered weight on its first call in inference (again only if the weight
+    changes: ``InferenceLinear`` uses this for trained layers too), and calls the packed kernel
+    when nothing needs gradients; training (autograd) keeps ``F.linear``. Which one
     ran never changes what a request outputs: drafts are verified, and each is drawn from the
     q it reports."""
 
@@ -135,11 +142,7 @@ class FrozenOutput:
             self._source = weight
             self._version = 0 if weight.is_inference() else weight._version
             self._sample = self._values(weight).clone()
-        rows = hidden.reshape(-1, weight.shape[1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, None if bias is None else bias.detach(), "none", [], "")
-        return out.reshape(*hidden.shape[:-1], weight.shape[0])
+        return packed_linear(hidden, self._packed, None if bias is None else bias.detach(), weight.shape[0])
 
     @staticmethod
     def _values(weight: torch.Tensor) -> torch.Tensor:
@@ -152,7 +155,7 @@ class FrozenOutput:
         optimiser steps and ``load_state_dict``; writes it does not count (through ``.data``, or
         a state_dict view taken under inference mode; inference tensors keep no counter at all)
         still change the sampled values: any training update or weight swap changes nearly all."""
-        if self._source is not weight or self._sample is None:
+        if self._source is not weight:  # also the first call: nothing packed yet
             return True
         if not weight.is_inference() and weight._version != self._version:
             return True
@@ -164,7 +167,7 @@ class InferenceLinear(nn.Linear):
 
     For a drafter's own layers, which keep training while they serve (the online learner, a hot
     swap): the parameters, state_dict and autograd are ``nn.Linear``'s; a call without gradients
-    packs the weight on first use and again whenever it changed in place (its version counter), so
+    packs the weight on first use and again whenever it has changed (``FrozenOutput._changed``), so
     a draft always reads the current weights. Unlike ``PackedLinear`` (the frozen target) nothing
     is replaced at load time. A drafter's catch-up forward feeds 2 to 8 positions, where plain
     float32 ``F.linear`` is slowest (the module docstring)."""

@@ -2,12 +2,10 @@
 ``HeadOptions.num_layers`` / ``storage``): a two-block head stored in int8 loads as the rounded
 weights, drafts exactly what a cache-free recomputation drafts, batches as it drafts alone and
 decodes losslessly; a head grown from a one-block head drafts as its source before training; int8
-rounding stays within half a step of each row's scale."""
+rounding stays within half a step of each row's scale. (Training a grown head in int8:
+tests/unit/test_eagle_train.py, beside the runs it grows from.)"""
 
 from __future__ import annotations
-
-import dataclasses
-import json
 
 import pytest
 import torch
@@ -17,13 +15,12 @@ from specpool.drafters.base import DraftRequest
 from specpool.drafters.eagle import load_eagle_head
 from specpool.drafters.eagle_model import EagleHead
 from specpool.drafters.weight_storage import SCALE_SUFFIX, pack, unpack
-from specpool.learning.eagle_train import _init_from_head, train_head
+from specpool.learning.eagle_train import _init_from_head
 from specpool.router.loop import FixedChooser
 from specpool.target.verifier import TargetVerifier
 from test_eagle_drafter import (
     GREEDY, drafter_of, final_hidden, fit_head, generate, reference_draft, tell, tiny_head_config, write_head,
 )
-from test_eagle_train import OPTIONS, corpus, head_home, runs, tiny_config  # noqa: F401 - fixtures
 
 
 # -- storage ----------------------------------------------------------------------------------------------
@@ -129,34 +126,6 @@ def test_a_head_grown_a_block_drafts_as_its_source_until_it_trains():
     assert float(grown.blocks[1].q_proj.weight.detach().abs().sum()) > 0  # only the residual outputs are zero
     with pytest.raises(Exception, match="cannot drop blocks"):
         _init_from_head(EagleHead(tiny_head_config(1), embedding, vocab_ids), grown)
-
-
-def test_training_grows_a_head_and_ships_it_in_int8_at_about_half_the_size(runs, tmp_path, head_home, corpus,  # noqa: F811
-                                                                          model_dirs):
-    source = runs["unroll"].out
-    options = dataclasses.replace(OPTIONS, recipe="unroll", init_from=str(source), num_layers=2, storage="int8")
-    out = tmp_path / "grown"
-    metadata = train_head(tiny_config(corpus, steps=4), options, head_home, out, resume=False,
-                          target_name=str(model_dirs.target))
-    card = json.loads((out / "config.json").read_text())
-    assert card["model"]["num_layers"] == 2 and card["storage"] == "int8" and card["train_config"]["head"]["num_layers"] == 2
-    assert metadata["steps"] == 4
-    assert "| decoder blocks, weights on disk | 2, int8 |" in (out / "README.md").read_text()
-    head, _ = load_eagle_head(out, head_home, str(model_dirs.target))
-    assert head.config.num_layers == 2
-    float16 = tmp_path / "grown-f16"
-    train_head(tiny_config(corpus, steps=4), dataclasses.replace(options, storage="float16"), head_home, float16,
-               resume=False, target_name=str(model_dirs.target))
-    blocks = lambda folder: sum(v.numel() * v.element_size() for k, v in load_file(str(folder / "model.safetensors")).items()
-                                if k.startswith("blocks."))
-    assert blocks(out) < 0.6 * blocks(float16)
-    with pytest.raises(Exception, match="--head-layers"):
-        train_head(tiny_config(corpus), dataclasses.replace(options, num_layers=0), head_home, tmp_path / "x",
-                   resume=False, target_name=str(model_dirs.target))
-    with pytest.raises(Exception, match="--storage"):
-        train_head(tiny_config(corpus), dataclasses.replace(options, storage="int4"), head_home, tmp_path / "y",
-                   resume=False, target_name=str(model_dirs.target))
-
 
 def test_an_int8_head_missing_a_scale_is_refused_in_one_line(deep, tmp_path, home, model_dirs):
     import shutil

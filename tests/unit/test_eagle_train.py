@@ -393,3 +393,30 @@ def test_a_warm_start_keeps_its_heads_vocabulary_and_fills_the_rest_from_the_new
                target_name=str(model_dirs.target))
     assert torch.equal(load_file(str(small / "model.safetensors"))["vocab_ids"],
                        load_file(str(cold_small / "model.safetensors"))["vocab_ids"])
+
+
+def test_training_grows_a_head_and_ships_it_in_int8_at_about_half_the_size(runs, tmp_path, head_home, corpus,
+                                                                          model_dirs):
+    source = runs["unroll"].out
+    options = dataclasses.replace(OPTIONS, recipe="unroll", init_from=str(source), num_layers=2, storage="int8")
+    out = tmp_path / "grown"
+    metadata = train_head(tiny_config(corpus, steps=4), options, head_home, out, resume=False,
+                          target_name=str(model_dirs.target))
+    card = json.loads((out / "config.json").read_text())
+    assert card["model"]["num_layers"] == 2 and card["storage"] == "int8" and card["train_config"]["head"]["num_layers"] == 2
+    assert metadata["steps"] == 4
+    assert "| decoder blocks, weights on disk | 2, int8 |" in (out / "README.md").read_text()
+    head, _ = load_eagle_head(out, head_home, str(model_dirs.target))
+    assert head.config.num_layers == 2
+    float16 = tmp_path / "grown-f16"
+    train_head(tiny_config(corpus, steps=4), dataclasses.replace(options, storage="float16"), head_home, float16,
+               resume=False, target_name=str(model_dirs.target))
+    blocks = lambda folder: sum(v.numel() * v.element_size() for k, v in load_file(str(folder / "model.safetensors")).items()
+                                if k.startswith("blocks."))
+    assert blocks(out) < 0.6 * blocks(float16)
+    with pytest.raises(Exception, match="--head-layers"):
+        train_head(tiny_config(corpus), dataclasses.replace(options, num_layers=0), head_home, tmp_path / "x",
+                   resume=False, target_name=str(model_dirs.target))
+    with pytest.raises(Exception, match="--storage"):
+        train_head(tiny_config(corpus), dataclasses.replace(options, storage="int4"), head_home, tmp_path / "y",
+                   resume=False, target_name=str(model_dirs.target))
