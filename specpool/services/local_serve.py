@@ -14,6 +14,7 @@ import errno
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import time
@@ -167,17 +168,19 @@ def _kill(pids: set[int]) -> None:
             pass
 
 
-def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message: None, *, attempts: int = 2) -> None:
+def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message: None, *, attempts: int = 3,
+             pauses_s: tuple[float, ...] = (5.0, 15.0)) -> None:
     """``ray.init(**init_kwargs)``; a local cluster that fails to start is torn down and started
-    again, up to ``attempts`` starts in all.
+    again, up to ``attempts`` starts in all, waiting ``pauses_s[i]`` before start i + 2.
 
     Why: Ray waits a fixed 30 s for its new raylet to register with the GCS and then raises, leaving
     the GCS, the raylet and their helpers running under this process (the failed node is never
-    handed to ``ray.shutdown()``). On a loaded 2-core machine that wait has run out once in CI; the
-    processes it left then sat under the test process. Here they are killed (whatever the start
-    added under this process: nothing else is touched) and one more start is tried; the last
-    failure is a ModelUnavailable saying where Ray's logs are. Without /proc (not Linux) there is
-    nothing to clean up from, so one plain try."""
+    handed to ``ray.shutdown()``). On a loaded 2-core machine that wait has run out in CI: once, and
+    in a later run twice in a row; the processes it left then sat under the test process. Here they are killed
+    (whatever the start added under this process: nothing else is touched), the machine is given
+    a growing pause to settle, and the start is tried again. Each failure names the last error the
+    raylet or the GCS logged; the last one is a ModelUnavailable saying where Ray's logs are.
+    Without /proc (not Linux) there is nothing to clean up from, so one plain try."""
     import ray
 
     has_proc = os.path.isdir("/proc")
@@ -191,14 +194,47 @@ def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message
             if not has_proc:
                 raise
             reason = _first_line(exc)
+            logged = ray_logged_error()
+            if logged:
+                reason = f"{reason} Last error Ray logged: {logged}"
             try:
                 ray.shutdown()  # whatever part of the driver state was set up
             except Exception:  # noqa: BLE001 - nothing to shut down
                 pass
             _kill(_descendants(os.getpid()) - before)
             if attempt == tries:
-                raise ModelUnavailable(f"Ray did not start: {reason} (logs under /tmp/ray/session_latest/logs)") from None
-            progress(f"Ray did not start ({reason}); stopped what it left and starting it again ...")
+                raise ModelUnavailable(f"Ray did not start: {reason} (logs under {ray_session_logs()})") from None
+            pause = pauses_s[min(attempt - 1, len(pauses_s) - 1)] if pauses_s else 0.0
+            progress(f"Ray did not start ({reason}); stopped what it left, starting it again in {pause:.0f} s "
+                     f"(start {attempt + 1} of {tries}) ...")
+            time.sleep(pause)
+
+
+def ray_session_logs() -> str:
+    """The log folder of the newest local Ray session (under Ray's temp dir, /tmp or $RAY_TMPDIR)."""
+    return os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest", "logs")
+
+
+# A glog line of Ray's C++ daemons: "[2026-12-06 19:50:36,874 E 6871 6898] (raylet) file.cc:83: text".
+_GLOG_ERROR = re.compile(r"^\[\S+ \S+ [EF] \d+ \d+\] (.*)$")
+
+
+def ray_logged_error(logs: str | None = None) -> str | None:
+    """The last error (or fatal) line the raylet, else the GCS, of the newest session logged; None
+    if neither logged one. It says why a start timed out (a port taken, a crash); Ray's exception
+    does not."""
+    logs = ray_session_logs() if logs is None else logs
+    for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):  # the raylet is what times out
+        try:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                lines = f.read()[-200_000:].splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            match = _GLOG_ERROR.match(line.strip())
+            if match:
+                return match.group(1)[:300]
+    return None
 
 
 def start_local(
@@ -246,7 +282,7 @@ def start_local(
     for name, value in SERVE_ENV.items():  # read by every Ray process it starts
         os.environ.setdefault(name, value)
     if not (ray_address is not None and ray.is_initialized()):  # a caller may have connected already
-        init_ray(init_kwargs, progress, attempts=2 if ray_address is None else 1)  # never restart another's cluster
+        init_ray(init_kwargs, progress, attempts=3 if ray_address is None else 1)  # never restart another's cluster
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve logs: progress says enough
     http_host = DEFAULT_GRPC_HOST if plan.http_host in ("0.0.0.0", "::", "") else plan.http_host
     started = LocalServe(plan, f"{DEFAULT_GRPC_HOST}:{plan.grpc_port}",

@@ -978,11 +978,11 @@ def test_a_ray_start_that_times_out_is_torn_down_and_tried_once_more(monkeypatch
     monkeypatch.setattr(ray, "init", flaky_init)
     messages: list[str] = []
     try:
-        init_ray({"address": "local"}, messages.append)
+        init_ray({"address": "local"}, messages.append, pauses_s=(0.0,))
         assert len(started) == 2
         assert started[0].wait(10) == -9  # the failed start's process: killed
         assert started[1].poll() is None  # the good start's process: running
-        assert len(messages) == 1 and "timed out during startup" in messages[0] and "again" in messages[0]
+        assert len(messages) == 1 and "timed out during startup" in messages[0] and "start 2 of 3" in messages[0]
     finally:
         for process in started:
             process.kill()
@@ -990,7 +990,7 @@ def test_a_ray_start_that_times_out_is_torn_down_and_tried_once_more(monkeypatch
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
-def test_a_ray_start_that_keeps_failing_is_one_line_and_leaves_nothing(monkeypatch):
+def test_a_ray_start_that_keeps_failing_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
     import subprocess
     import sys
 
@@ -1005,11 +1005,29 @@ def test_a_ray_start_that_keeps_failing_is_one_line_and_leaves_nothing(monkeypat
         raise Exception("The current node timed out during startup.")
 
     monkeypatch.setattr(ray, "init", failing_init)
+    # What the raylet logged is named in the error (a glog error line; info lines are passed over).
+    logs = tmp_path / "ray" / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-12-06 19:50:36,874 E 6871 6898] (raylet) agent_manager.cc:83: Agent process exited, exit code 1.\n"
+        "[2026-12-06 19:50:36,877 I 6871 6871] (raylet) stats.h:176: Stats module has shutdown.\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    pauses: list[float] = []
     try:
-        with pytest.raises(ModelUnavailable) as caught:
+        with pytest.raises(ModelUnavailable) as caught, monkeypatch.context() as patched:
+            patched.setattr("specpool.services.local_serve.time.sleep", pauses.append)
             init_ray({"address": "local"})
-        assert len(started) == 2 and all(p.wait(10) == -9 for p in started)
-        assert "\n" not in str(caught.value) and str(caught.value).startswith("Ray did not start: The current node")
+        assert len(started) == 3 and all(p.wait(10) == -9 for p in started)
+        assert pauses == [5.0, 15.0]  # the machine is given time to settle between starts
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("Ray did not start: The current node")
+        assert "Last error Ray logged: (raylet) agent_manager.cc:83: Agent process exited, exit code 1." in message
+        assert message.endswith(f"(logs under {logs})")
+        started.clear()
+        (logs / "raylet.out").unlink()  # no log: the error is Ray's alone
+        with pytest.raises(ModelUnavailable) as caught:
+            init_ray({"address": "local"}, attempts=2, pauses_s=())
+        assert len(started) == 2 and "Last error" not in str(caught.value)
         started.clear()
         with pytest.raises(ModelUnavailable):  # a cluster given by address is not started twice
             init_ray({"address": "ray://elsewhere:10001"}, attempts=1)
