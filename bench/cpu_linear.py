@@ -20,13 +20,12 @@ Writes results.json and report.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import default_out, load_questions, machine_info, summary
+from bench.common import default_out, load_questions, machine_info, summary, write_results
 from bench.verify_width import alternate_verifications
 from specpool.router.loop import FixedChooser, speculative_generate
 from specpool.services.config import settings_from_env
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(contexts), "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
         "rows": rows, "mismatches": mismatches, "decode": decode,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     (out / "report.md").write_text(render(results))
     print(render(results))
     return 0

@@ -33,14 +33,13 @@ Writes results.json and report.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.common import default_out, load_prompts, machine_info, summary
+from bench.common import default_out, load_prompts, machine_info, summary, write_results
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.base import DraftRequest
 from specpool.drafters.eagle import EagleDrafter, head_folder, load_eagle_head
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     (out / "report.md").write_text(report(results))
     print(report(results))
     return 0

@@ -19,7 +19,6 @@ Writes results.json, report.md and ratio.png to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import default_out, load_prompts, machine_info, summary
+from bench.common import default_out, load_prompts, machine_info, summary, write_results
 from specpool.services.config import settings_from_env
 from specpool.services.engine import EmbeddedEngine
 from specpool.target.kv_cache import batched_logits
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     def save_partial(setting: dict) -> None:
         """A run cut short (shared, busy machine) still leaves the rows measured so far."""
         partial = dict(results, settings=results["settings"] + [setting], partial=True)
-        (out / "results.json").write_text(json.dumps(partial, indent=2) + "\n")
+        write_results(out, partial)
 
     with tqdm(total=len(names) * len(BATCH_SIZES) * (args.reps + 1), desc="verify-batch", unit="rep") as progress:
         for name in names:
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             results["settings"].append(run_setting(engine, name, texts, args.reps, progress, save_partial))
     results["wall_s"] = time.perf_counter() - started
     results["load_average_end"] = os.getloadavg()
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plot(results, out / "ratio.png")
     (out / "report.md").write_text(render(results))
     print(render(results))

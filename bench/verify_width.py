@@ -17,14 +17,13 @@ Writes results.json and report.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import default_out, load_questions, machine_info, summary
+from bench.common import default_out, load_questions, machine_info, summary, write_results
 from specpool.services.config import settings_from_env
 from specpool.services.engine import EmbeddedEngine
 from specpool.target.rejection import SparseDist
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
         "rows": rows, "mismatches": mismatches,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     (out / "report.md").write_text(render(results))
     for row in rows:
         r = row["ratio"]
