@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specpool.core.defaults import DEFAULT_TARGET
+from specpool.core.defaults import DEFAULT_POLICY, DEFAULT_TARGET
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def reference(head):
 @pytest.mark.parametrize("prompt, policy", [(PROMPTS[0], "fixed:eagle"), (PROMPTS[2], "")])
 def test_served_white_box_greedy_equals_embedded_and_features_cost_a_plus_1_rows_a_round(served, client, reference,
                                                                                           prompt, policy):
-    """``fixed:eagle``: the head drafts every round; "": the server's metasd-ucb over eagle and ngram."""
+    """``fixed:eagle``: the head drafts every round; "": the server's default policy (DEFAULT_POLICY) over its pool."""
     policy = policy.replace("eagle", served.eagle)
     before = _call(served.router, "FeatureStats")
     answer = client.generate(prompt, max_new_tokens=MAX_NEW, session_id=uuid.uuid4().hex, policy=policy)
@@ -162,7 +162,7 @@ def test_served_white_box_greedy_equals_embedded_and_features_cost_a_plus_1_rows
     drafted_rounds = stats.rounds - 1
     per_round = (received["bytes"] - stats.prompt_tokens * WIDTH * 2) / drafted_rounds
     mean_a = stats.accepted_tokens / drafted_rounds
-    print(f"\n[white-box served] {prompt[:30]!r} ({policy or 'metasd-ucb'}): {stats.rounds} rounds "
+    print(f"\n[white-box served] {prompt[:30]!r} ({policy or DEFAULT_POLICY}): {stats.rounds} rounds "
           f"{dict(stats.rounds_by_drafter)}, mean accepted {mean_a:.2f}; target -> router {per_round:.0f} bytes a round "
           f"after the prefill = (a+1) x {WIDTH} x 2; router -> eagle deployment {sent} bytes in all")
     assert per_round == pytest.approx((mean_a + 1) * WIDTH * 2)

@@ -18,9 +18,9 @@ from specpool.router.session_store import InMemorySessionStore, SessionKey
 from specpool.target.sampling import SamplingParams
 
 EVERY_POLICY = list(POLICIES) + ["fixed:noisy", "metasd-ucb+warm"]
-# The fast lane keeps the default policy and ucb-replay (the one that drives the loop's replay
+# The fast lane keeps the default policy, MetaSD's own and ucb-replay (the one that drives the loop's replay
 # path); the choice rules themselves are unit-tested in test_policies.py. The full sweep is slow.
-FAST_LANE_POLICIES = {DEFAULT_POLICY, "ucb-replay"}
+FAST_LANE_POLICIES = {DEFAULT_POLICY, "metasd-ucb", "ucb-replay"}
 POLICY_CASES = [name if name in FAST_LANE_POLICIES else pytest.param(name, marks=pytest.mark.slow) for name in EVERY_POLICY]
 
 

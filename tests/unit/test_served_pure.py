@@ -766,7 +766,7 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     code, out, err = cli("serve", "--print-config", "--pool", "lookup:eagle:code,ngram", target=None)
     assert code == 0, err
     (router,) = [a for a in yaml.safe_load(out)["applications"] if a["name"] == "router"]
-    assert router["args"]["policy"] == "metasd-ucb"
+    assert router["args"]["policy"] == "metasd-ucb+warm"
     code, out, err = cli("serve", "--print-config", "--policy", "thompson", target=None)
     assert code == 0, err
     (router,) = [a for a in yaml.safe_load(out)["applications"] if a["name"] == "router"]
