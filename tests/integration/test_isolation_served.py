@@ -37,7 +37,10 @@ import pytest
 
 from redis_helpers import URL, delete_namespace
 from serve_helpers import call as _call, free_port as _free_port, wait_until as _wait
+from specpool.core.defaults import DEFAULT_POLICY
 from specpool.core.errors import NotFound
+from specpool.router.policies import make_policy
+from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services.auth import add_key
 from specpool.services.client import SpecPoolClient
 
@@ -156,10 +159,23 @@ def _records(raw_redis, stream: str) -> list:
     return [FeedbackRecord.decode(fields[FIELD.decode()].encode()) for _, fields in raw_redis.xrange(stream)]
 
 
-def _rounds_fit(state: dict, rounds: int, before: int = 0) -> bool:
+def _rounds_fit(state: dict, rounds: int, before: float = 0) -> bool:
     """The bandit state's round counter went from ``before`` through this request's rounds (the last
     round may draft nothing: k capped to 0), i.e. this state saw this request's rounds and no one else's."""
     return before + rounds - 1 <= state["t"] <= before + rounds
+
+
+def _new_session_start(served, tenant: str, session: str) -> float:
+    """The round counter a new session of ``tenant`` starts from under the server's policy: 0 cold;
+    under a +warm policy (DEFAULT_POLICY is one) the weight of ``tenant``'s own statistics, read
+    from the store as the router reads them."""
+    store = RedisSessionStore(URL, namespace=served.namespace)
+    try:
+        state, stats = store.read(SessionKey(tenant, session))
+    finally:
+        store.close()
+    assert state is None, "not a new session"
+    return make_policy(DEFAULT_POLICY, POOL).init_state(stats)["t"]
 
 
 def _active(served) -> set[tuple[str, str]]:
@@ -171,6 +187,7 @@ def test_two_tenants_run_the_same_session_id_at_once_each_on_its_own_caches_and_
     session = f"shared-{uuid.uuid4().hex[:8]}"
     prompts = {"acme": PROMPT_A, "globex": PROMPT_B}
     expected = {tenant: reference(prompt) for tenant, prompt in prompts.items()}
+    starts = {tenant: _new_session_start(served, tenant, session) for tenant in TENANTS}
     start = threading.Barrier(len(TENANTS))
     arrivals: dict[str, list[float]] = {tenant: [] for tenant in TENANTS}
     tokens: dict[str, list[int]] = {tenant: [] for tenant in TENANTS}
@@ -205,7 +222,8 @@ def test_two_tenants_run_the_same_session_id_at_once_each_on_its_own_caches_and_
     # Two bandit states, each holding its own request's rounds only (one shared key would hold both's).
     for tenant in TENANTS:
         state = _state(served, raw_redis, tenant, session)
-        assert state is not None and _rounds_fit(state, finals[tenant].stats.rounds), (tenant, state["t"], finals[tenant].stats)
+        assert state is not None and _rounds_fit(state, finals[tenant].stats.rounds, before=starts[tenant]), (
+            tenant, state["t"], starts[tenant], finals[tenant].stats)
     assert sorted(raw_redis.scan_iter(match=f"{served.namespace}:*:session:{session}", count=1000)) == \
         sorted(_session_key(served, tenant, session) for tenant in TENANTS)
 
@@ -239,7 +257,7 @@ def test_a_cancel_frees_only_the_cancelling_tenants_caches_and_the_other_continu
 # -- 3. continuing "another tenant's" session id starts fresh ----------------------------------------------------
 def test_a_tenant_using_another_tenants_session_id_sees_none_of_its_state(served, reference, raw_redis):
     session = f"chat-{uuid.uuid4().hex[:8]}"
-    t = 0
+    t = _new_session_start(served, "acme", session)
     for prompt in (PROMPT_A, PROMPT_B):  # acme's session grows over two requests
         answer = served.clients["acme"].generate(prompt, max_new_tokens=MAX_NEW, session_id=session)
         assert answer.token_ids == reference(prompt)
@@ -251,11 +269,13 @@ def test_a_tenant_using_another_tenants_session_id_sees_none_of_its_state(served
     assert acme_arms  # acme's aggregate exists, to be compared below
     assert raw_redis.get(_session_key(served, "globex", session)) is None
 
+    start = _new_session_start(served, "globex", session)
+    assert start < t  # so the counter below tells globex's fresh state from acme's
     answer = served.clients["globex"].generate(PROMPT_B, max_new_tokens=MAX_NEW, session_id=session)
     assert answer.token_ids == reference(PROMPT_B)
     fresh = _state(served, raw_redis, "globex", session)
-    # A fresh state: its counter holds globex's rounds only (continuing acme's would start at acme's t).
-    assert fresh is not None and _rounds_fit(fresh, answer.stats.rounds), (fresh["t"], answer.stats.rounds, t)
+    # A fresh state: its counter holds globex's start and rounds only (continuing acme's would start at acme's t).
+    assert fresh is not None and _rounds_fit(fresh, answer.stats.rounds, before=start), (fresh["t"], answer.stats.rounds, start, t)
     assert raw_redis.get(_session_key(served, "acme", session)) == acme_session  # acme's, byte for byte
     assert raw_redis.hgetall(_arms_key(served, "acme")) == acme_arms
     assert _holders(served, "acme", session) == _holders(served, "globex", session) == {"target", "drafter"}
