@@ -19,6 +19,8 @@ the CPU. GPUs and other dtypes keep ``nn.Linear``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -117,10 +119,10 @@ class FrozenOutput:
     q it reports."""
 
     def __init__(self):
-        self._source: torch.Tensor | None = None  # the weight the packed copy was made from
-        self._version: int = -1  # its version counter then: a trained weight changes in place
-        self._sample: torch.Tensor | None = None  # and some of its values (see ``_changed``)
-        self._packed: torch.Tensor | None = None
+        # Replaced whole, never edited: threads drafting with one drafter (a hot swap under
+        # concurrent requests) each read it once, so none sees one weight's source beside
+        # another's sample.
+        self._packing: _Packing | None = None
 
     # A copy (a drafter's deepcopy, a pickle to another process) starts unpacked: the packed
     # tensor is opaque to both, and it is made again on the copy's first call.
@@ -137,12 +139,12 @@ class FrozenOutput:
         if (torch.is_grad_enabled() or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
                 or weight.dtype != torch.float32 or not packed_linear_available()):
             return nn.functional.linear(hidden, weight, bias)
-        if self._changed(weight):  # a new weight, or this one trained in place: pack again
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-            self._source = weight
-            self._version = 0 if weight.is_inference() else weight._version
-            self._sample = self._values(weight).clone()
-        return packed_linear(hidden, self._packed, None if bias is None else bias.detach(), weight.shape[0])
+        packing = self._packing
+        if packing is None or self._changed(packing, weight):  # a new weight, or this one trained in place
+            packing = _Packing(weight, 0 if weight.is_inference() else weight._version, self._values(weight).clone(),
+                               torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+            self._packing = packing
+        return packed_linear(hidden, packing.packed, None if bias is None else bias.detach(), weight.shape[0])
 
     @staticmethod
     def _values(weight: torch.Tensor) -> torch.Tensor:
@@ -150,16 +152,26 @@ class FrozenOutput:
         flat = weight.detach().reshape(-1)
         return flat[:: max(1, flat.numel() // 64)]
 
-    def _changed(self, weight: torch.Tensor) -> bool:
-        """Whether the packed copy is not ``weight``'s current values. Its version counter catches
+    @classmethod
+    def _changed(cls, packing: "_Packing", weight: torch.Tensor) -> bool:
+        """Whether ``packing`` is not ``weight``'s current values. Its version counter catches
         optimiser steps and ``load_state_dict``; writes it does not count (through ``.data``, or
         a state_dict view taken under inference mode; inference tensors keep no counter at all)
         still change the sampled values: any training update or weight swap changes nearly all."""
-        if self._source is not weight:  # also the first call: nothing packed yet
+        if packing.source is not weight:
             return True
-        if not weight.is_inference() and weight._version != self._version:
+        if not weight.is_inference() and weight._version != packing.version:
             return True
-        return not torch.equal(self._values(weight), self._sample)
+        return not torch.equal(cls._values(weight), packing.sample)
+
+
+class _Packing(NamedTuple):
+    """What a ``FrozenOutput`` packed, and from what."""
+
+    source: torch.Tensor  # the weight the packed copy was made from
+    version: int  # its version counter then: a trained weight changes in place
+    sample: torch.Tensor  # some of its values then (``FrozenOutput._changed``)
+    packed: torch.Tensor  # oneDNN's packed copy
 
 
 class InferenceLinear(nn.Linear):

@@ -177,7 +177,7 @@ def test_frozen_output_packs_in_inference_and_keeps_autograd_in_training():
     hidden = torch.randn(2, 3, 24)
     with torch.inference_mode():
         packed = output(hidden, weight, bias)
-    assert output._source is weight and packed.shape == (2, 3, 300)
+    assert output._packing.source is weight and packed.shape == (2, 3, 300)
     torch.testing.assert_close(packed, nn.functional.linear(hidden, weight, bias), atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # the bias is read at every call: a trained bias counts at once
         bias.add_(1.0)
@@ -188,9 +188,9 @@ def test_frozen_output_packs_in_inference_and_keeps_autograd_in_training():
     other = torch.randn(300, 24)  # a new gathered weight (another vocabulary): packed again
     with torch.no_grad():
         torch.testing.assert_close(output(hidden, other, None), hidden @ other.T, atol=1e-4, rtol=1e-4)
-    assert output._source is other
+    assert output._packing.source is other
     for clone in (copy.deepcopy(output), pickle.loads(pickle.dumps(output))):  # copies start unpacked
-        assert clone._source is None and clone._packed is None
+        assert clone._packing is None
     with torch.no_grad():  # other dtypes keep F.linear
         half = output(hidden.double(), weight.double(), None)
     assert half.dtype == torch.float64
@@ -216,14 +216,14 @@ def test_inference_linear_packs_for_drafting_and_follows_every_kind_of_weight_ch
         plain.load_state_dict(layer.state_dict())
         with torch.inference_mode():
             got = layer(x)
-            assert layer._kernel._packed is not None  # the packed path ran
+            assert layer._kernel._packing is not None  # the packed path ran
             torch.testing.assert_close(got, plain(x), atol=1e-4, rtol=1e-4)
 
     check()
-    packed = layer._kernel._packed
+    packed = layer._kernel._packing.packed
     with torch.inference_mode():
         layer(x)
-    assert layer._kernel._packed is packed  # unchanged weight: not packed again
+    assert layer._kernel._packing.packed is packed  # unchanged weight: not packed again
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
     loss = layer(x).square().sum()  # gradients wanted: F.linear, differentiable
     loss.backward()
@@ -238,7 +238,44 @@ def test_inference_linear_packs_for_drafting_and_follows_every_kind_of_weight_ch
         layer.state_dict()["weight"].add_(1.0)  # an inference-mode view: no version bump either
     check()
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # copies start unpacked and agree
-        assert clone._kernel._packed is None
+        assert clone._kernel._packing is None
         with torch.inference_mode():
             torch.testing.assert_close(clone(x), layer(x), atol=1e-5, rtol=1e-5)
     assert set(layer.state_dict()) == {"weight"}  # nothing of the kernel in checkpoints
+
+
+@needs_onednn
+def test_inference_linear_drafts_from_several_threads_while_its_weight_changes():
+    """A hot swap under concurrent requests: threads draft with one layer while its weight is
+    rewritten, each call repacking. Every call runs: the packed copy, its source and its sample are
+    read as one (CI once caught a call that saw a new source beside no sample yet); and once the
+    writes stop, a call reads the last weight."""
+    import threading
+
+    torch.manual_seed(0)
+    layer = InferenceLinear(64, 96, bias=False)
+    x = torch.randn(2, 64)
+    weights = [torch.randn(96, 64) for _ in range(2)]
+    expected = [x @ w.T for w in weights]
+    stop, errors = threading.Event(), []
+
+    def draft() -> None:
+        try:
+            while not stop.is_set():
+                with torch.inference_mode():
+                    layer(x)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=draft) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for i in range(400):
+        layer.weight.data.copy_(weights[i % 2])  # no version bump: the sample sees it
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    # A call racing a copy_ may read a half-written weight; calls between writes must be exact.
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected[1], atol=1e-4, rtol=1e-4)
