@@ -5,6 +5,7 @@ can import it and bench/ has no cycle (bench/cli.py is the one entry that import
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -165,6 +166,29 @@ def percentile(values: list[float], q: float) -> float:
 def summary(values: list[float]) -> dict:
     """Median with the interquartile range, as the timing reports give them."""
     return {"median": statistics.median(values), "p25": percentile(values, 0.25), "p75": percentile(values, 0.75)}
+
+
+def head_bench_parser(prog: str, doc: str, name: str, head_help: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that times one white-box head: ``--head``, ``--threads`` and
+    ``--out`` (default ./bench-results/NAME); the caller adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--head", default="general", help=head_help)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--out", default=default_out(name), help=f"output folder (default ./{default_out(name)})")
+    return parser
+
+
+def load_bench_head(args: argparse.Namespace) -> tuple:
+    """Sets torch's threads to ``args.threads`` and loads ``args.head`` for the default target:
+    (EagleHead, metadata)."""
+    import torch
+
+    from specpool.core.defaults import DEFAULT_TARGET
+    from specpool.drafters.eagle import head_folder, load_eagle_head
+    from specpool.services.config import settings_from_env
+
+    torch.set_num_threads(args.threads)
+    return load_eagle_head(head_folder(args.head), settings_from_env().home, DEFAULT_TARGET)
 
 
 def write_results(out: str | Path, results: dict) -> Path:

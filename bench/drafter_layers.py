@@ -16,7 +16,6 @@ Writes results.json to --out and prints it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -24,10 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import default_out, machine_info, summary, write_results
-from specpool.core.defaults import DEFAULT_TARGET
-from specpool.drafters.eagle import EagleDrafter, head_folder, load_eagle_head
-from specpool.services.config import settings_from_env
+from bench.common import head_bench_parser, load_bench_head, machine_info, summary, write_results
+from specpool.drafters.eagle import EagleDrafter
 from specpool.target.cpu_linear import InferenceLinear
 from specpool.target.features import Features
 from specpool.target.sampling import SamplingParams
@@ -61,15 +58,12 @@ def draft_rounds(head, metadata: dict, packed: bool, rounds: int) -> tuple[float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.drafter_layers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head", default="general", help="shipped head (or head folder) that drafts")
+    parser = head_bench_parser("python -m bench.drafter_layers", __doc__, "drafter-layers",
+                               "shipped head (or head folder) that drafts")
     parser.add_argument("--rounds", type=int, default=40, help="propose calls per repetition (default 40)")
     parser.add_argument("--repetitions", type=int, default=12, help="repetitions of each (default 12)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    parser.add_argument("--out", default=default_out("drafter-layers"), help=f"output folder (default ./{default_out('drafter-layers')})")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    head, metadata = load_eagle_head(head_folder(args.head), settings_from_env().home, DEFAULT_TARGET)
+    head, metadata = load_bench_head(args)
     times: dict[bool, list[float]] = {True: [], False: []}
     ratios, same = [], True
     for repetition in range(args.repetitions):

@@ -14,7 +14,6 @@ Writes results.json to --out and prints it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -22,10 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import default_out, machine_info, write_results
-from specpool.core.defaults import DEFAULT_TARGET
-from specpool.drafters.eagle import head_folder, load_eagle_head
-from specpool.services.config import settings_from_env
+from bench.common import head_bench_parser, load_bench_head, machine_info, write_results
 from specpool.target.cpu_linear import FrozenOutput
 
 
@@ -37,16 +33,13 @@ def per_call_us(kernel, hidden: torch.Tensor, calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.output_head", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head", default="general", help="shipped head (or head folder) whose output head is timed")
+    parser = head_bench_parser("python -m bench.output_head", __doc__, "output-head",
+                               "shipped head (or head folder) whose output head is timed")
     parser.add_argument("--rows", default="1,2,4,8,16", help="row counts (default 1,2,4,8,16)")
     parser.add_argument("--calls", type=int, default=30, help="calls per block (default 30)")
     parser.add_argument("--blocks", type=int, default=9, help="blocks per kernel and row count (default 9)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    parser.add_argument("--out", default=default_out("output-head"), help=f"output folder (default ./{default_out('output-head')})")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    head, _ = load_eagle_head(head_folder(args.head), settings_from_env().home, DEFAULT_TARGET)
+    head, _ = load_bench_head(args)
     weight, bias = head.head_weight().detach(), head.head_bias.detach()
     packed = FrozenOutput()
     kernels = {"plain": lambda h: F.linear(h, weight, bias), "packed": lambda h: packed(h, weight, bias)}
