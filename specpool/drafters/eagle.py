@@ -53,6 +53,7 @@ MANIFEST = SHIPPED_DIR / "manifest.json"  # file hashes and reference acceptance
 HEAD_KIND = "eagle"
 TREE_KIND = "eagle-tree"  # the same heads drafting trees (``EagleDrafter.propose_tree``)
 ALT_KIND = "eagle-alt"  # the same heads' chain plus runner-up leaves (``EagleDrafter.alternatives``)
+INT8_KIND = "eagle-int8"  # the same heads drafting with int8 kernels on a CPU (``EagleHead.set_draft_precision``)
 # ``eagle-alt``: the runner-up token is a leaf at the first this-many depths of the chain, where
 # the head gives it at least ALT_MIN_PROB. Measured in bench/results/white-box-alternatives.
 DEFAULT_ALTERNATIVES = 2
@@ -480,8 +481,19 @@ def _make_eagle_alt(name: str, argument: str, context: DrafterContext) -> EagleD
     return _head_drafter(name, argument, context, alternatives=DEFAULT_ALTERNATIVES)
 
 
-def _head_drafter(name: str, argument: str, context: DrafterContext, **options) -> EagleDrafter:
+@register_drafter(INT8_KIND)
+def _make_eagle_int8(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
+    """``eagle-int8:NAME``: the head of ``eagle:NAME`` drafting with int8 kernels for its block and
+    output head on a CPU (float32 where this torch has no x86 int8 linear, and on a GPU)."""
+    if not argument:
+        raise InvalidArgument(f"eagle-int8 needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
+    return _head_drafter(name, argument, context, precision="int8")
+
+
+def _head_drafter(name: str, argument: str, context: DrafterContext, precision: str = "float32",
+                  **options) -> EagleDrafter:
     head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
+    head.set_draft_precision(precision)
     return EagleDrafter(name, head, metadata, **options)
 
 

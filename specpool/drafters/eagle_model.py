@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpool.drafters.zoo_model import Block, KVCache, RMSNorm, rope_tables, vocabulary_index
-from specpool.target.cpu_linear import FrozenOutput, InferenceLinear
+from specpool.target.cpu_linear import FrozenOutput, InferenceLinear, set_draft_precision
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class EagleHead(nn.Module):
         self._head_weight: torch.Tensor | None = None
         self._output = FrozenOutput()  # the output head's kernel (specpool/target/cpu_linear.py)
         self._reduced_index: torch.Tensor | None = None
+        self.draft_precision = "float32"  # ``set_draft_precision``
 
     @property
     def device(self) -> torch.device:
@@ -163,6 +164,17 @@ class EagleHead(nn.Module):
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the reduced vocabulary (..., V_r) from (predicted) features (..., d)."""
         return self._output(hidden, self.head_weight(), self.head_bias)  # packed in inference on a CPU
+
+    def set_draft_precision(self, precision: str) -> None:
+        """Run the block's projections and the output head in ``precision`` ("int8": fbgemm's
+        quantised linear, specpool/target/cpu_linear.py) in inference on a CPU; training is
+        unchanged. The fusion stays float32: its input joins the token embedding (RMS ~0.14 in
+        the default target) to the normalised feature (RMS ~0.9, with larger outliers), and one
+        7-bit activation scale over both would blur which token the head is told."""
+        for block in self.blocks:
+            set_draft_precision(block, precision)
+        self._output.set_precision(precision)
+        self.draft_precision = precision
 
     def own_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -198,13 +198,15 @@ class EagleEnsembleHead(MemberMixture):
 
 def build_served_head(base: EagleHead, tensors: dict[str, torch.Tensor], metadata: dict) -> nn.Module:
     """The drafting head of a published version (``OnlineHeadLearner.serving_tensors``): one
-    EagleHead, or an EagleEnsembleHead of the members the version serves."""
+    EagleHead, or an EagleEnsembleHead of the members the version serves. Each drafts in the
+    base's precision (``eagle-int8``'s int8 kernels stay int8 across versions)."""
     try:
         states, weights = version_members(tensors, metadata)
         members = []
         for state in states:
             head = EagleHead(base.config, base.embedding, base.vocab_ids.clone(), base.output)
             head.load_state_dict({**state, "vocab_ids": base.vocab_ids})
+            head.set_draft_precision(getattr(base, "draft_precision", "float32"))
             members.append(head.to(base.device).eval())
         if weights is None:
             return members[0]

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from specpool.core.errors import InvalidArgument
-from specpool.target.cpu_linear import FrozenOutput, InferenceLinear, PackedLinear, has_packed_linears, pack_linears, packed_linear_available, should_pack
+from specpool.target.cpu_linear import (FrozenOutput, InferenceLinear, PackedLinear, has_packed_linears, int8_linear_available,
+                                        pack_linears, packed_linear_available, set_draft_precision, should_pack)
 from specpool.target.kv_cache import PrefixCache
 from specpool.target.models import ModelConfig, load_causal_lm
 from specpool.target.verifier import CPU_FORWARD_WIDTHS, PACKED_CPU_FORWARD_WIDTHS, TargetVerifier
@@ -279,3 +280,64 @@ def test_inference_linear_drafts_from_several_threads_while_its_weight_changes()
     # A call racing a copy_ may read a half-written weight; calls between writes must be exact.
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), expected[1], atol=1e-4, rtol=1e-4)
+
+
+# -- int8 drafting kernels (FrozenOutput(precision="int8")) -------------------------------------------------
+
+needs_int8 = pytest.mark.skipif(not int8_linear_available(), reason="no x86 int8 linear (fbgemm) in this torch")
+
+
+@needs_int8
+def test_int8_kernel_is_close_to_float_follows_changes_and_survives_copies():
+    """int8: per-row weight scales, so every output row is within a few percent of float32; a
+    changed weight is packed again; copies and pickles keep the precision; training keeps F.linear."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 64) * torch.logspace(-2, 0, 300)[:, None], nn.Parameter(torch.randn(300))
+    hidden = torch.randn(2, 3, 64)
+    output = FrozenOutput("int8")
+    with torch.inference_mode():
+        got = output(hidden, weight, bias)
+        exact = nn.functional.linear(hidden, weight, bias)
+    assert got.shape == (2, 3, 300) and not torch.equal(got, exact)  # the int8 kernel ran
+    # per-row scales: a small row's error is small too (one scale per matrix would swamp it)
+    error = (got - exact).abs().amax(dim=(0, 1)) / (hidden.abs().amax() * weight.abs().sum(dim=1))  # (300,)
+    assert float(error.max()) < 0.02
+    other = weight * 2
+    with torch.inference_mode():
+        torch.testing.assert_close(output(hidden, other, None), hidden @ other.T, atol=0.05 * float((hidden @ other.T).abs().max()), rtol=0)
+    assert output._packing.source is other
+    for clone in (copy.deepcopy(output), pickle.loads(pickle.dumps(output))):
+        assert clone.precision == "int8" and clone._packing is None
+    trained = output(hidden, weight, bias)  # gradients wanted: float32 F.linear, exact
+    torch.testing.assert_close(trained, exact)
+    output.set_precision("float32")
+    assert output.precision == "float32" and output._packing is None
+    with pytest.raises(InvalidArgument, match="draft precision"):
+        FrozenOutput("int4")
+
+
+@needs_int8
+def test_set_draft_precision_reaches_every_kernel_and_an_eagle_head_keeps_its_fusion_float():
+    from specpool.drafters.eagle_model import EagleConfig, EagleHead
+
+    torch.manual_seed(0)
+    config = EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=48, reduced_vocab=40)
+    head = EagleHead(config, torch.randn(100, 32) * 0.1, torch.arange(40))
+    head.eval()
+    ids, feats = torch.randint(0, 100, (1, 6)), torch.randn(1, 6, 32)
+    with torch.inference_mode():
+        before = head.reduced_logits(head(ids, feats))
+    head.set_draft_precision("int8")
+    kernels = {name: m._kernel.precision for name, m in head.named_modules() if isinstance(m, InferenceLinear)}
+    assert kernels.pop("fuse") == "float32" and set(kernels.values()) == {"int8"} and len(kernels) == 7
+    assert head._output.precision == "int8"
+    with torch.inference_mode():
+        after = head.reduced_logits(head(ids, feats))
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, before, atol=0.1 * float(before.abs().max()), rtol=0)
+    assert set_draft_precision(head, "float32") == 9  # eight layers' kernels and the output head
+    with pytest.raises(InvalidArgument, match="draft precision"):
+        set_draft_precision(head, "fp8")

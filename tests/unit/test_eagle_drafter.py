@@ -29,6 +29,7 @@ from specpool.drafters.lookup_first import LookupFirstDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.learning.zoo_train import export_drafter
 from specpool.router.loop import Choice, FixedChooser, speculative_generate
+from specpool.target.cpu_linear import int8_linear_available
 from specpool.target.features import FeatureGap, Features
 from specpool.target.models import tokenizer_fingerprint
 from specpool.target.sampling import SamplingParams, logits_to_probs
@@ -390,13 +391,24 @@ def exact_first_three(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
     return joint
 
 
+def in_precision(head: EagleHead, precision: str) -> EagleHead:
+    """A copy of the module's head drafting in ``precision`` (the fixture itself stays float32)."""
+    import copy
+
+    other = copy.deepcopy(head)
+    other.set_draft_precision(precision)
+    return other
+
+
 @pytest.mark.slow  # statistical: SEEDS generations
-def test_sampled_output_follows_the_targets_distribution(head, target_lm, prompts):
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_sampled_output_follows_the_targets_distribution(head, target_lm, prompts, precision):
     """Round 1 is the target's prefill (token 1); the head drafts tokens 2-3 (k = 2): the joint
-    distribution of all three is the target's (chi-square and TV, as test_sampled_generation)."""
+    distribution of all three is the target's (chi-square and TV, as test_sampled_generation),
+    whether the head computes its q in float32 or with int8 kernels (``eagle-int8``)."""
     model, tokenizer = target_lm
     verifier = TargetVerifier(model, tokenizer)
-    drafter = drafter_of(head)
+    drafter = drafter_of(in_precision(head, precision))
     prompt = prompts[2][:-12]
     counts, proposed, accepted = Counter(), 0, 0
     for seed in range(SEEDS):
@@ -475,6 +487,43 @@ def test_eagle_through_the_engine_is_lossless(head_dir, engine):
     result = engine.generate(prompt, params, spec, k=4)
     assert result.token_ids == reference
     assert result.rounds[0].drafter is None and {r.drafter for r in result.rounds[1:]} == {spec}
+
+
+@pytest.mark.skipif(not int8_linear_available(), reason="no x86 int8 linear (fbgemm) in this torch")
+def test_an_int8_head_drafts_other_numbers_and_stays_lossless(head, head_dir, target_lm, prompts, greedy_reference,
+                                                              home, model_dirs, engine):
+    """``eagle-int8``: the same head with int8 kernels for its block and output head. Its q differ
+    from float32's, it still drafts tokens the target accepts, and every output is the target's."""
+    model, tokenizer = target_lm
+    verifier = TargetVerifier(model, tokenizer)
+    int8_head = in_precision(head, "int8")
+    int8 = drafter_of(int8_head)
+    context = torch.tensor([prompts[0][1:30]])
+    features = final_hidden(model, prompts[0][:30])[:29].unsqueeze(0)  # (1, 29, d)
+    with torch.inference_mode():
+        logits = [h.reduced_logits(h(context, features)) for h in (int8_head, head)]
+    assert not torch.equal(*logits)  # other numbers, close ones
+    # close: on average under a tenth of the logits' scale (the tiny head's 32-wide rows quantise
+    # coarsely; the shipped head's agree on nearly every argmax, README "int8 drafting")
+    assert float((logits[0] - logits[1]).abs().mean()) < 0.1 * float(logits[1].abs().mean())
+    assert float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()) >= 0.75
+    accepted = 0
+    for i, sequence in enumerate(prompts[::4]):
+        prompt = sequence[:-24]
+        for k in (1, 5):
+            result = generate(verifier, {"e": int8}, FixedChooser("e"), prompt, k=k, session=f"i{i}-{k}")
+            assert result.token_ids == greedy_reference(model, prompt, GREEDY.max_new_tokens), (i, k)
+            accepted += sum(r.accepted for r in result.rounds)
+    assert accepted > 0
+    spec = f"eagle-int8:{head_dir}"
+    drafter = create_drafter(spec, DrafterContext(home, target=str(model_dirs.target)))
+    assert drafter.head.draft_precision == "int8" and drafter.head._output.precision == "int8"
+    assert create_drafter(f"eagle:{head_dir}", DrafterContext(home, target=str(model_dirs.target))).head.draft_precision == "float32"
+    with pytest.raises(InvalidArgument, match="eagle-int8 needs a head"):
+        create_drafter("eagle-int8:", DrafterContext(home, target=str(model_dirs.target)))
+    prompt = engine.encode_prompt("the cat sat on the mat the cat sat")
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+    assert engine.generate(prompt, params, f"lookup:{spec}", k=4).token_ids == engine.generate(prompt, params, None).token_ids
 
 
 def one_line(exc: BaseException) -> str:

@@ -245,11 +245,14 @@ def learn_while_generating(learning: EmbeddedEngine, engine: EmbeddedEngine, pro
     return learner, learning.learning.slot("a", spec)
 
 
-@pytest.mark.parametrize("online", [OnlineConfig(algorithm="ogd", lr=0.01),
-                                    OnlineConfig(algorithm="hedge", hedge_lrs=(0.003, 0.01), hedge_serve_min=0.0)],
-                         ids=["ogd", "hedge"])
-def test_a_learned_head_is_hot_swapped_and_stays_lossless(home, model_dirs, head_dir, tmp_path, engine, prompts, online):
-    spec = f"eagle:{head_dir}"
+@pytest.mark.parametrize("online, kind", [(OnlineConfig(algorithm="ogd", lr=0.01), "eagle"),
+                                          (OnlineConfig(algorithm="hedge", hedge_lrs=(0.003, 0.01), hedge_serve_min=0.0), "eagle"),
+                                          (OnlineConfig(algorithm="hedge", hedge_lrs=(0.003, 0.01), hedge_serve_min=0.0),
+                                           "eagle-int8")],
+                         ids=["ogd", "hedge", "hedge-int8"])
+def test_a_learned_head_is_hot_swapped_and_stays_lossless(home, model_dirs, head_dir, tmp_path, engine, prompts, online,
+                                                          kind):
+    spec = f"{kind}:{head_dir}"
     learning = learning_engine(home, model_dirs, tmp_path / "store", online, publish_every=8)
     try:
         assert learnable(learning.drafter(spec)) and drafter_kind(learning.drafter(spec)).learner is OnlineHeadLearner
@@ -259,6 +262,10 @@ def test_a_learned_head_is_hot_swapped_and_stays_lossless(home, model_dirs, head
         assert isinstance(drafter, EagleDrafter) and drafter is not slot.base
         if online.algorithm == "hedge":
             assert isinstance(drafter.head, EagleEnsembleHead) and len(drafter.head.members) == 2
+            # a learned version drafts in its base's precision (eagle-int8: int8 kernels)
+            precision = slot.base.head.draft_precision
+            assert precision == ("int8" if kind == "eagle-int8" else "float32")
+            assert {m.draft_precision for m in drafter.head.members} == {m._output.precision for m in drafter.head.members} == {precision}
         else:
             assert not torch.equal(drafter.head.head_bias, slot.base.head.head_bias)  # the learned weights
         # The next requests draft with the learned version and give the target's own tokens; each
