@@ -198,9 +198,12 @@ class FrozenOutput:
         packing = self._packing
         # a new weight, this one trained in place, or the other precision (set while this call ran)
         if packing is None or packing.int8 != int8 or self._changed(packing, weight):
+            # The version and the sample are read before the weight is packed: a write racing the
+            # pack then leaves a sample older than the packed copy, so the next call sees the change
+            # and packs again. Read after, a sample could match a weight the copy predates.
+            version, sample = 0 if weight.is_inference() else weight._version, self._values(weight).clone()
             packed = int8_pack(weight) if int8 else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-            packing = _Packing(weight, 0 if weight.is_inference() else weight._version, self._values(weight).clone(),
-                               packed, int8)
+            packing = _Packing(weight, version, sample, packed, int8)
             self._packing = packing
         kernel = int8_linear if int8 else packed_linear
         return kernel(hidden, packing.packed, None if bias is None else bias.detach(), weight.shape[0])
