@@ -493,7 +493,8 @@ def _make_eagle_int8(name: str, argument: str, context: DrafterContext) -> Eagle
 def _head_drafter(name: str, argument: str, context: DrafterContext, precision: str = "float32",
                   **options) -> EagleDrafter:
     head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
-    head.set_draft_precision(precision)
+    if precision != head.draft_precision:  # a loaded head drafts in float32
+        head.set_draft_precision(precision)
     return EagleDrafter(name, head, metadata, **options)
 
 

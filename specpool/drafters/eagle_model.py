@@ -90,7 +90,6 @@ class EagleHead(nn.Module):
         self._head_weight: torch.Tensor | None = None
         self._output = FrozenOutput()  # the output head's kernel (specpool/target/cpu_linear.py)
         self._reduced_index: torch.Tensor | None = None
-        self.draft_precision = "float32"  # ``set_draft_precision``
 
     @property
     def device(self) -> torch.device:
@@ -174,7 +173,11 @@ class EagleHead(nn.Module):
         for block in self.blocks:
             set_draft_precision(block, precision)
         self._output.set_precision(precision)
-        self.draft_precision = precision
+
+    @property
+    def draft_precision(self) -> str:
+        """What ``set_draft_precision`` last set (the output head's kernel holds it)."""
+        return self._output.precision
 
     def own_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

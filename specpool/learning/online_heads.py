@@ -206,7 +206,7 @@ def build_served_head(base: EagleHead, tensors: dict[str, torch.Tensor], metadat
         for state in states:
             head = EagleHead(base.config, base.embedding, base.vocab_ids.clone(), base.output)
             head.load_state_dict({**state, "vocab_ids": base.vocab_ids})
-            head.set_draft_precision(getattr(base, "draft_precision", "float32"))
+            head.set_draft_precision(base.draft_precision)
             members.append(head.to(base.device).eval())
         if weights is None:
             return members[0]

@@ -178,8 +178,9 @@ def init_ray(init_kwargs: dict, progress: Callable[[str], None] = lambda message
     handed to ``ray.shutdown()``). On a loaded 2-core machine that wait has run out in CI: once,
     and in a later run twice in a row; the processes it left then sat under the test process. Here
     they are killed (whatever the start added under this process: nothing else is touched), the
-    machine is given a growing pause to settle, and the start is tried again. Each failure names the last error the
-    raylet or the GCS logged; the last one is a ModelUnavailable saying where Ray's logs are.
+    machine is given a growing pause to settle, and the start is tried again. Each failure names
+    the last error the raylet or the GCS logged; the last one is a ModelUnavailable saying where
+    Ray's logs are.
     Without /proc (not Linux) there is nothing to clean up from, so one plain try."""
     import ray
 

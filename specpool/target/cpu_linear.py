@@ -83,6 +83,11 @@ def int8_linear_available() -> bool:
             and torch.backends.quantized.engine in ("fbgemm", "x86"))
 
 
+def check_draft_precision(precision: str) -> None:
+    if precision not in DRAFT_PRECISIONS:
+        raise InvalidArgument(f"unknown draft precision {precision!r}; use one of {', '.join(DRAFT_PRECISIONS)}")
+
+
 def int8_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out, in) as fbgemm's packed int8 linear: symmetric, one scale per output row
     (a row's error then scales with that row, not with the matrix's largest value)."""
@@ -165,9 +170,11 @@ class FrozenOutput:
     torch has it; elsewhere, and on a GPU, the call runs as "float32"."""
 
     def __init__(self, precision: str = "float32"):
-        if precision not in DRAFT_PRECISIONS:
-            raise InvalidArgument(f"unknown draft precision {precision!r}; use one of {', '.join(DRAFT_PRECISIONS)}")
+        check_draft_precision(precision)
         self.precision = precision
+        # Decided here, not per call: the availability check reads torch's engine, and a call is
+        # a draft step's hot path.
+        self._int8 = precision == "int8" and int8_linear_available()
         # Replaced whole, never edited: threads drafting with one drafter (a hot swap under
         # concurrent requests) each read it once, so none sees one weight's source beside
         # another's sample.
@@ -192,7 +199,7 @@ class FrozenOutput:
         if (torch.is_grad_enabled() or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
                 or weight.dtype != torch.float32):
             return nn.functional.linear(hidden, weight, bias)
-        int8 = self.precision == "int8" and int8_linear_available()
+        int8 = self._int8
         if not int8 and not packed_linear_available():
             return nn.functional.linear(hidden, weight, bias)
         packing = self._packing
@@ -258,8 +265,7 @@ class InferenceLinear(nn.Linear):
 def set_draft_precision(module: nn.Module, precision: str) -> int:
     """Every ``FrozenOutput`` kernel under ``module`` (an ``InferenceLinear``'s, a drafter's output
     head) computes in ``precision`` from its next call. Returns how many kernels were set."""
-    if precision not in DRAFT_PRECISIONS:
-        raise InvalidArgument(f"unknown draft precision {precision!r}; use one of {', '.join(DRAFT_PRECISIONS)}")
+    check_draft_precision(precision)
     kernels = [value for m in module.modules() for value in vars(m).values() if isinstance(value, FrozenOutput)]
     for kernel in kernels:
         kernel.set_precision(precision)
