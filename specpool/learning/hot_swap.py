@@ -14,7 +14,7 @@ kind): zoo drafters (a ``ZooLM``: specpool/learning/online.py) and white-box hea
 ``EagleHead``: specpool/learning/online_heads.py). The learner loop, the embedded wiring and the
 served drafter replicas look a drafter or network up there, never by its kind's name.
 
-Prompt lookup in front of a learnable drafter (``lookup:eagle:general``, the default drafter;
+Prompt lookup in front of a learnable drafter (``lookup:eagle-alt:general``, the default drafter;
 ``lookup:code``) learns too: what learns is the drafter behind the lookup (``behind_lookup``),
 and a version is that drafter's new network behind a lookup of its own. The lookup itself has no
 weights. Its rounds still teach the network: a record is the context, the target's answer and
@@ -86,7 +86,8 @@ LEARNABLE: tuple[LearnableKind, ...] = (
         lambda base, head: EagleDrafter(base.name, head, base.metadata, top_k=base.top_k,
                                         confidence_threshold=base.confidence_threshold, cache_capacity=base.cache_capacity,
                                         tree_nodes=base.tree_nodes, tree_beam=base.tree_beam, tree_min_prob=base.tree_min_prob,
-                                        alternatives=base.alternatives, alt_min_prob=base.alt_min_prob)),
+                                        alternatives=base.alternatives, alt_min_prob=base.alt_min_prob,
+                                        alt_per_depth=base.alt_per_depth)),
 )
 
 

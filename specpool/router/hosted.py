@@ -234,9 +234,14 @@ class HostingVerifier:
                    drafting: bool = True) -> dict[int, Proposal]:
         """The proposals of the items a hosted arm drafts (by item index; with ``drafting`` off, an
         empty one each: the gate chose a plain batch). An invalid item gets its error in ``outcomes``
-        before any work. Trees are drafted one session after another; the chains of an arm's
-        sessions go to it together (``propose_many``)."""
+        before any work. A tree arm drafts its tree only for a batch of one session: the verifier
+        runs a tree in a forward of its own, so trees in a batch of several sessions would split its
+        one batched forward into one per session (served at 8 sessions with the runner-up leaves of
+        ``eagle-alt``, that took the aggregate rate from 74 to 52 tokens/s); there it drafts its
+        chain, verified with the others'. The chains of an arm's sessions go to it together
+        (``propose_many``)."""
         proposals: dict[int, Proposal] = {}
+        alone = len(items) == 1
         chains: dict[str, list[int]] = {}  # arm -> the items whose chains it drafts
         for i, (request, draft) in enumerate(items):
             if draft is None:
@@ -254,8 +259,8 @@ class HostingVerifier:
                 continue
             if not drafting:
                 proposals[i] = Proposal([], [], source=UNDRAFTED_SOURCE)  # no arm's round (router/bandit.py)
-            elif (draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
-                    and self.verifies_trees):
+            elif (alone and draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter)
+                    and drafter.tree_nodes > 0 and self.verifies_trees):
                 proposals[i] = self._guarded(draft.drafter, lambda: drafter.propose_tree(
                     request.session_id, request.context_ids, draft.k, request.params))
             else:

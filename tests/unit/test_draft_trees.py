@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specpool.core.errors import InvalidArgument
-from specpool.drafters.eagle import DEFAULT_TREE_NODES, EagleDrafter
+from specpool.drafters.eagle import (DEFAULT_ALT_MIN_PROB, DEFAULT_ALT_PER_DEPTH, DEFAULT_ALTERNATIVES, DEFAULT_TREE_NODES,
+                                     EagleDrafter)
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.router.loop import FixedChooser, speculative_generate
 from specpool.target.kv_cache import PrefixCache
@@ -152,15 +153,36 @@ def test_the_verifier_walks_the_tree_and_keeps_the_accepted_path(target_lm, prom
     assert accepted_any > 0
 
 
-def test_batched_verification_serves_a_tree_beside_chains(target_lm, prompts):
+def test_batched_verification_serves_a_tree_beside_chains_as_its_first_branch(target_lm, prompts, greedy_reference):
+    """A tree needs a forward of its own; beside other sessions it is verified as the chain of its
+    first branch, in the one batched forward, and alone as the whole tree."""
     model, tokenizer = target_lm
-    parents = (ROOT, ROOT, 0, 2)
-    requests = [VerifyRequest("a", prompts[0][:10], [5, 6, 7, 8], [SparseDist.one_hot(t) for t in (5, 6, 7, 8)], GREEDY,
+    truth = greedy_reference(model, prompts[0][:10], 4)
+    wrong = 1 if truth[0] != 1 else 2
+    # The first branch misses at once; the tree's second child of the root is the target's token.
+    parents = (ROOT, ROOT, 1, 2)
+    tree = [wrong, truth[0], truth[1], truth[2]]
+    requests = [VerifyRequest("a", prompts[0][:10], tree, [SparseDist.one_hot(t) for t in tree], GREEDY,
                               tree_parents=parents),
                 VerifyRequest("b", prompts[1][:10], [9, 10], [SparseDist.one_hot(t) for t in (9, 10)], GREEDY)]
-    batched = TargetVerifier(model, tokenizer).verify_batch(requests)
+    forwards: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: forwards.append(int(kw["input_ids"].shape[0])),
+                                           with_kwargs=True)
+    verifier = TargetVerifier(model, tokenizer)
+    verifier.verify_batch([VerifyRequest(s, c, [], [], GREEDY) for s, c in (("a", prompts[0][:9]), ("b", prompts[1][:9]))])
+    forwards.clear()
+    batched = verifier.verify_batch(requests)
+    hook.remove()
+    assert forwards == [2]  # one forward, both sessions in it
     alone = TargetVerifier(model, tokenizer)
-    assert [(r.accepted, r.tokens) for r in batched] == [(x.accepted, x.tokens) for x in map(alone.verify, requests)]
+    chain = VerifyRequest("a", prompts[0][:10], [wrong], [SparseDist.one_hot(wrong)], GREEDY)
+    expected = [alone.verify(chain), alone.verify(requests[1])]
+    assert [(r.accepted, r.tokens) for r in batched] == [(x.accepted, x.tokens) for x in expected]
+    assert batched[0].accepted == 0 and batched[0].tokens == truth[:1]
+    assert verifier.caches.get("a").token_ids == prompts[0][:10]
+    # Alone, the same tree is verified whole: its second branch is the target's own path.
+    whole = TargetVerifier(model, tokenizer).verify(requests[0])
+    assert (whole.accepted, whole.tokens) == (3, truth[:4])
 
 
 @pytest.mark.parametrize("change, words", [
@@ -379,30 +401,43 @@ def test_a_learned_version_of_a_tree_head_drafts_trees_too(head):
 # -- runner-up leaves (eagle-alt) ---------------------------------------------------------------------
 
 
-def test_runner_up_leaves_are_the_heads_second_choice_beside_its_chain(head, target_lm, prompts):
+@pytest.mark.parametrize("per_depth", [1, 3])
+def test_runner_up_leaves_are_the_heads_next_choices_beside_its_chain(per_depth, head, target_lm, prompts):
     model, _ = target_lm
-    drafter = drafter_of(head, alternatives=2, alt_min_prob=0.0, confidence_threshold=0.0)
-    strict = drafter_of(head, alternatives=2, alt_min_prob=0.99, confidence_threshold=0.0)
+    drafter = drafter_of(head, alternatives=2, alt_per_depth=per_depth, alt_min_prob=0.0, confidence_threshold=0.0)
+    floor = drafter_of(head, alternatives=2, alt_per_depth=per_depth, alt_min_prob=0.02, confidence_threshold=0.0)
+    strict = drafter_of(head, alternatives=2, alt_per_depth=per_depth, alt_min_prob=0.99, confidence_threshold=0.0)
     for s, sequence in enumerate(prompts[:5]):
         context = sequence[:16]
-        for d in (drafter, strict):
+        for d in (drafter, floor, strict):
             tell(d, f"a{s}", model, context)
         proposal = drafter.propose_tree(f"a{s}", context, 4, GREEDY)
         chain = drafter.propose(f"a{s}", context, 4, GREEDY).tokens
-        assert len(chain) == 4 and len(proposal.tokens) == 4 + 2
+        assert len(chain) == 4 and len(proposal.tokens) == 4 + 2 * per_depth
         check_tree(proposal.parents, len(proposal.tokens))
-        assert proposal.tokens[:4] == chain and proposal.parents[:4] == (ROOT, 0, 1, 2)
+        assert proposal.tokens[:4] == chain
+        assert proposal.parents == (ROOT, 0, 1, 2) + (ROOT,) * per_depth + (0,) * per_depth
         assert [proposal.tokens[i] for i in primary_chain(proposal.parents)] == chain
         features = final_hidden(model, context)
-        for depth in range(2):  # leaf at depth d+1: the head's runner-up after chain[:d], beside chain[d]
-            leaf = 4 + depth
-            assert proposal.parents[leaf] == (ROOT if depth == 0 else depth - 1)
-            assert proposal.tokens[leaf] == reference_top(head, context, features, chain[:depth], 2)[1], (s, depth)
+        for depth in range(2):  # leaves at depth d+1: the head's next choices after chain[:d], best first
+            top = reference_top(head, context, features, chain[:depth], 1 + per_depth)
+            assert top[0] == chain[depth]
+            first = 4 + per_depth * depth
+            assert proposal.tokens[first:first + per_depth] == top[1:], (s, depth)
         assert [int(q.token_ids[0]) for q in proposal.q] == proposal.tokens
+        # A minimum probability keeps exactly the leaves the head gives at least that much.
+        runners_up: list = []
+        floor._draft(f"a{s}", context, 4, GREEDY, runners_up)
+        assert len(runners_up) == 2 and all(len(c) == per_depth for c in runners_up)
+        assert all(c[i][1] >= c[i + 1][1] for c in runners_up for i in range(per_depth - 1))
+        kept = floor.propose_tree(f"a{s}", context, 4, GREEDY)
+        assert kept.tokens == chain + [t for c in runners_up for t, p in c if p >= 0.02]
         # Below the minimum probability there are no leaves: the chain alone, as a tree.
         alone = strict.propose_tree(f"a{s}", context, 4, GREEDY)
         assert alone.tokens == chain and alone.parents == (ROOT, 0, 1, 2)
         assert drafter.features_held(f"a{s}") == len(context) - 1
+    with pytest.raises(InvalidArgument, match="at least one a depth"):
+        drafter_of(head, alternatives=2, alt_per_depth=0)
 
 
 def test_a_padded_tree_forward_equals_an_unpadded_one(target_lm, prompts):
@@ -453,7 +488,9 @@ def test_greedy_generation_with_runner_up_leaves_equals_target_only(head, head_d
     assert leaves > 0
     context = DrafterContext(home, target=str(model_dirs.target))
     spec = create_drafter(f"eagle-alt:{head_dir}", context)
-    assert spec.alternatives == 2 and spec.tree_nodes > 0
+    assert (spec.alternatives, spec.alt_per_depth, spec.alt_min_prob) == (DEFAULT_ALTERNATIVES, DEFAULT_ALT_PER_DEPTH,
+                                                                         DEFAULT_ALT_MIN_PROB)
+    assert spec.tree_nodes > 0
     assert create_drafter(f"lookup:eagle-alt:{head_dir}", context).tree_nodes > 0
     assert create_drafter(f"lookup:eagle:{head_dir}", context).tree_nodes == 0
     with pytest.raises(InvalidArgument, match="eagle-alt needs a head"):
@@ -469,6 +506,20 @@ def test_greedy_generation_with_runner_up_leaves_equals_target_only(head, head_d
 def test_a_learned_version_of_a_runner_up_head_keeps_its_leaves(head):
     from specpool.learning.hot_swap import drafter_kind
 
-    base = drafter_of(head, alternatives=3, alt_min_prob=0.1)
+    base = drafter_of(head, alternatives=3, alt_min_prob=0.1, alt_per_depth=2)
     rebuilt = drafter_kind(base).rebuild(base, head)
-    assert (rebuilt.alternatives, rebuilt.alt_min_prob, rebuilt.tree_nodes) == (3, 0.1, base.tree_nodes)
+    assert ((rebuilt.alternatives, rebuilt.alt_min_prob, rebuilt.alt_per_depth, rebuilt.tree_nodes)
+            == (3, 0.1, 2, base.tree_nodes))
+
+
+def test_the_leaf_sweeps_kinds_draft_with_their_settings(head_dir, home, model_dirs):  # noqa: F811
+    """bench/leaf_sweep.py (bench/results/white-box-leaves): each swept kind is the head with its row's settings."""
+    from bench.leaf_sweep import SWEEP, register_sweep
+
+    register_sweep()
+    context = DrafterContext(home, target=str(model_dirs.target))
+    for suffix, options in SWEEP.items():
+        drafter = create_drafter(f"lookup:eagle-{suffix}:{head_dir}", context).inner
+        assert drafter.tree_nodes > 0
+        for option, value in options.items():
+            assert getattr(drafter, option) == value, (suffix, option)
