@@ -20,6 +20,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from specpool.core.defaults import DEFAULT_DRAFTER
 from specpool.core.errors import InvalidArgument, NotFound, StoreUnavailable, check
 
 
@@ -156,7 +157,7 @@ def add_learner_command(commands) -> argparse.ArgumentParser:
                          help="tenant variants held in memory; the least recently used is committed and dropped (default 64)")
     learner.add_argument("--drafters", default=None,
                          help="comma-separated drafters to train (default: the default pool's heads behind prompt lookup, "
-                              "lookup:eagle:general first, and every shipped zoo drafter); others are ignored")
+                              f"{DEFAULT_DRAFTER} first, and every shipped zoo drafter); others are ignored")
     learner.add_argument("--once", action="store_true", help="process what the stream holds, commit, and exit")
     learner.add_argument("--max-records", type=int, default=None, metavar="N",
                          help="exit after N records (recovered ones included), committing first")
@@ -246,7 +247,7 @@ def run_learner_command(args: argparse.Namespace, settings) -> int:
         if not known_spec(name):
             raise NotFound(f"unknown drafter {name!r} in --drafters; the learner trains zoo drafters "
                            f"({', '.join(shipped_names())} or zoo:PATH) and white-box heads (eagle:NAME or eagle:PATH), "
-                           "either behind prompt lookup (lookup:eagle:general)")
+                           "either behind prompt lookup (lookup:eagle:general, lookup:eagle-alt:general)")
     check(args.max_records is None or args.max_records >= 1, f"--max-records must be >= 1, got {args.max_records}")
     check(args.claim_idle_s >= 0, f"--claim-idle-s must be >= 0, got {args.claim_idle_s}")
     check(args.report_every_s > 0, f"--report-every-s must be > 0, got {args.report_every_s}")

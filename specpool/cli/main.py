@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Sequence
 
-from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROBE_ROUNDS,
-                                     DEFAULT_TARGET, DEFAULT_TENANT, MAX_DRAFT_LENGTH)
+from specpool.core.defaults import (DEFAULT_BETA, DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROBE_ROUNDS,
+                                     DEFAULT_TARGET, DEFAULT_TENANT, FALLBACK_DRAFTER, MAX_DRAFT_LENGTH)
 from specpool.cli.bench_loader import add_bench_command, load_bench
 from specpool.core.errors import SpecpoolError
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--drafter", default=None,
                      help="one fixed drafter: a spec (ngram, code, eagle:general, hf:PATH, ...) or none; default unless --policy "
-                          "is given: lookup:eagle:general for the default target, ngram for any other")
+                          f"is given: {DEFAULT_DRAFTER} for the default target, {FALLBACK_DRAFTER} for any other")
     gen.add_argument("--policy", default=None,
                      help="choose the drafter each round with a bandit policy: metasd-ucb, ucb-be, thompson, exp3, "
                           "ucb-discounted, sequential-halving, ucb-cost, ucb-cost-k, ucb-replay, random, fixed:NAME; append +warm for tenant warm start")

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from specpool.core.defaults import DEFAULT_POLICY, MAX_DRAFT_LENGTH
+from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_POLICY, MAX_DRAFT_LENGTH
 from specpool.cli.bench_loader import add_bench_command, load_bench
 from specpool.core.errors import InvalidArgument, SpecpoolError, check
 
@@ -54,10 +54,10 @@ def add_served_commands(commands) -> None:
                        help="with --tls-cert: require client certificates signed by this CA (mutual TLS)")
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                        help=f"Prometheus metrics port, http://127.0.0.1:PORT/metrics (default {DEFAULT_METRICS_PORT}; 0 = none)")
-    serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: every shipped white-box head behind prompt lookup, 'lookup:eagle:general' first, and ngram)")
+    serve.add_argument("--pool", default=None, help="without --config: comma-separated drafters to serve (default: every shipped white-box head behind prompt lookup, the general one first, and ngram)")
     serve.add_argument("--policy", default=None,
                        help=f"without --config: the policy of a request that names none (default: without --pool, "
-                            f"fixed:lookup:eagle:general, the fastest measured, over a pool a request may choose from with "
+                            f"fixed:{DEFAULT_DRAFTER}, the fastest measured, over a pool a request may choose from with "
                             f"its own policy; with --pool, {DEFAULT_POLICY})")
     serve.add_argument("-k", type=int, default=None, help="without --config: the default draft length (default 5)")
     serve.add_argument("--feature-dtype", default=None, choices=("float16", "bfloat16"),

@@ -44,7 +44,7 @@ def default_pool(target: str = DEFAULT_TARGET) -> list[str]:
     `specpool serve`, `specpool bench --policies`, the OpenAI API).
 
     For the target the shipped heads were trained on: every shipped head behind prompt lookup, the
-    general head (DEFAULT_DRAFTER) first, and n-gram. Side by side with the zoo drafters that were the
+    general head first (DEFAULT_DRAFTER: its chain with runner-up leaves), and n-gram. Side by side with the zoo drafters that were the
     default before (bench/results/zoo-vs-white-box/, 24 dev prompts), `lookup:eagle:general` ran
     1.42x target-only, n-gram 1.25x, each zoo drafter 0.86-1.08x (ahead of it only on code, by 0.06x,
     and on chat, where nothing gains); `metasd-ucb` over this pool ran 1.37x (bench/results/white-box-v5-policies/). Any other target: n-gram and the

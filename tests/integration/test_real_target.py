@@ -56,7 +56,7 @@ def test_target_only_matches_hugging_face_greedy(engine: EmbeddedEngine) -> None
 
 def test_cli_generate_json_on_default_target() -> None:
     """The README's main job: the default drafter on the default target (prompt lookup, then the
-    general white-box head), answering exactly as the target alone does."""
+    general white-box head, with runner-up leaves), answering exactly as the target alone does."""
     def generate(*extra: str) -> dict:
         proc = subprocess.run(
             [sys.executable, "-m", "specpool.cli.main", "generate", "Count from 1 to 10, separated by commas.",
@@ -70,7 +70,7 @@ def test_cli_generate_json_on_default_target() -> None:
     assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
     assert result["stats"]["new_tokens"] == len(result["token_ids"]) <= 20
     assert result["text"]
-    assert result["stats"]["policy"] == "fixed:lookup:eagle:general"
+    assert result["stats"]["policy"] == "fixed:lookup:eagle-alt:general"
     assert result["stats"]["rounds"] < result["stats"]["new_tokens"]  # the drafts were accepted, at times
     assert result["token_ids"] == generate("--drafter", "none")["token_ids"]
 

@@ -745,6 +745,7 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     """No --pool: a drafter application per arm of the default pool (the white-box heads behind
     lookup and ngram, for the default target), the router's pool exactly those, and its default
     policy the default drafter fixed (engine.default_policy)."""
+    from specpool.core.defaults import DEFAULT_DRAFTER
     from specpool.services.engine import default_pool
     from specpool.services.serve_config import drafter_app_name
     import yaml
@@ -759,10 +760,10 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     assert apps["target"]["args"].get("hosted_drafters", []) == hosted
     assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool if name not in hosted] == [n for n in pool if n not in hosted]
     assert "ngram" in pool and "ngram" not in hosted
-    assert pool[0] == "lookup:eagle:general"
+    assert pool[0] == DEFAULT_DRAFTER == "lookup:eagle-alt:general"
     # A request that names no policy gets the fastest measured configuration; the pool is there for
     # a request that names one. Over a pool given on the command line: the bandit.
-    assert apps["router"]["args"]["policy"] == "fixed:lookup:eagle:general"
+    assert apps["router"]["args"]["policy"] == f"fixed:{DEFAULT_DRAFTER}"
     code, out, err = cli("serve", "--print-config", "--pool", "lookup:eagle:code,ngram", target=None)
     assert code == 0, err
     (router,) = [a for a in yaml.safe_load(out)["applications"] if a["name"] == "router"]
