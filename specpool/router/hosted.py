@@ -234,11 +234,10 @@ class HostingVerifier:
                    drafting: bool = True) -> dict[int, Proposal]:
         """The proposals of the items a hosted arm drafts (by item index; with ``drafting`` off, an
         empty one each: the gate chose a plain batch). An invalid item gets its error in ``outcomes``
-        before any work. A tree arm drafts its tree only for a batch of one session: the verifier
-        runs a tree in a forward of its own, so trees in a batch of several sessions would split its
-        one batched forward into one per session (served at 8 sessions with the runner-up leaves of
-        ``eagle-alt``, that took the aggregate rate from 74 to 52 tokens/s); there it drafts its
-        chain, verified with the others'. The chains of an arm's sessions go to it together
+        before any work. A tree arm drafts its tree only for a batch of one session: a tree needs a
+        forward of its own, so in a batch of several the verifier verifies only its first branch
+        inside the batched forward (``TargetVerifier.verify_batch``), and the arm drafts that chain
+        without the tree's extra work. The chains of an arm's sessions go to it together
         (``propose_many``)."""
         proposals: dict[int, Proposal] = {}
         alone = len(items) == 1
