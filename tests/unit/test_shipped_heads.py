@@ -74,7 +74,7 @@ def test_the_default_drafter_is_the_general_head_behind_lookup_on_its_own_target
 
 def test_the_default_pool_is_every_shipped_head_behind_lookup_and_ngram_on_its_own_target_only() -> None:
     """What a policy chooses among without --pool: for the heads' target, the general head behind
-    lookup first, then each other shipped head behind lookup, then ngram; any other target gets
+    lookup first, then each other shipped head behind lookup (each with runner-up leaves), then ngram; any other target gets
     ngram and the zoo (a head would be refused there). Every arm is a spec the registry knows."""
     from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
     from specpool.drafters.registry import DrafterContext, known_spec
@@ -84,7 +84,7 @@ def test_the_default_pool_is_every_shipped_head_behind_lookup_and_ngram_on_its_o
     pool = default_pool(DEFAULT_TARGET)
     heads = eagle.shipped_heads()
     assert pool[0] == DEFAULT_DRAFTER and pool[-1] == "ngram"
-    assert sorted(pool[1:-1]) == sorted(f"lookup:eagle:{name}" for name in heads if name != "general")
+    assert sorted(pool[1:-1]) == sorted(f"lookup:eagle-alt:{name}" for name in heads if name != "general")
     assert len(pool) == len(set(pool)) == len(heads) + 1
     assert all(known_spec(spec) for spec in pool)
     assert default_pool() == pool  # the served default config serves DEFAULT_TARGET
