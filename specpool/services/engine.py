@@ -54,7 +54,8 @@ def default_pool(target: str = DEFAULT_TARGET) -> list[str]:
     """
     heads = shipped_heads()
     if target == DEFAULT_TARGET and "general" in heads:
-        return [DEFAULT_DRAFTER] + [f"lookup:eagle-alt:{name}" for name in heads if name != "general"] + [FALLBACK_DRAFTER]
+        arm = DEFAULT_DRAFTER.removesuffix(":general")  # every head drafts as the general one does
+        return [DEFAULT_DRAFTER] + [f"{arm}:{name}" for name in heads if name != "general"] + [FALLBACK_DRAFTER]
     return [FALLBACK_DRAFTER] + shipped_names()
 
 

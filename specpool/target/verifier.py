@@ -169,12 +169,11 @@ class TargetVerifier:
         wave j), each wave normally one forward; ``plan_forwards`` splits a wave only where
         padding would cost more than another forward (a prompt prefill among k+1-token rounds).
         A group of one request, or a model whose caches cannot be padded
-        (``supports_batched_logits``), goes through ``verify`` itself. A draft tree in a wave of
-        several sessions is verified as its first branch (``first_branch``). ``forward_s`` of a
+        (``supports_batched_logits``), goes through ``verify`` itself. A draft tree in a group of
+        several is verified as its first branch (``first_branch``). ``forward_s`` of a
         batched result is the wall time of the whole shared forward.
         """
         results: list[VerifyResult | SpecpoolError | None] = [None] * len(requests)
-        requests = list(requests)
         waves: list[list[int]] = []
         seen: dict[str, int] = {}
         for i, request in enumerate(requests):
@@ -189,19 +188,11 @@ class TargetVerifier:
                 waves.append([])
             waves[ordinal].append(i)
         for wave in waves:
-            if self.batchable and len(wave) > 1:
-                # A tree needs a forward of its own (its attention mask), so in a wave of several
-                # sessions it is verified as its first branch, the chain its drafter would have sent
-                # alone: a greedy round over fewer drafts, exact all the same. One tree verified
-                # alone split the wave into a forward per session: 8 sessions served with runner-up
-                # leaves (eagle-alt) ran at 52 tokens/s against 74 for chains.
-                for i in wave:
-                    if requests[i].tree_parents is not None:
-                        requests[i] = first_branch(requests[i])
+            if not self.batchable:
+                groups = [[i] for i in wave]
+            else:
                 new_tokens = [self.new_tokens(requests[i]) for i in wave]
                 groups = [[wave[j] for j in group] for group in plan_forwards(new_tokens, self.split_cost_tokens)]
-            else:
-                groups = [[i] for i in wave]
             for group in groups:
                 self._verify_group([requests[i] for i in group], group, results)
         return results  # type: ignore[return-value]  # every slot is filled above
@@ -219,6 +210,12 @@ class TargetVerifier:
             except SpecpoolError as exc:
                 results[slots[0]] = exc
             return
+        # A tree needs a forward of its own (its attention mask), so in a shared forward it is
+        # verified as its first branch, the chain its drafter would have sent alone: a greedy round
+        # over fewer drafts, exact all the same. Verified alone, one tree split the forward into one
+        # per session: 8 sessions served with runner-up leaves (eagle-alt) ran at 52 tokens/s
+        # against 74 for chains.
+        batch = [first_branch(r) if r.tree_parents is not None else r for r in batch]
         caches = [self.caches.get(r.session_id) for r in batch]
         started = time.perf_counter()
         outputs = batched_logits_and_features(
