@@ -11,7 +11,8 @@ same logical state, and alternate A B / B A from repetition to repetition (docs/
 "Measuring"). Every repetition also checks that A and B return the same accepted counts and
 tokens; at the end the raw logits of both paths are compared. Two context settings: the chat
 prompt as is (short), and a long user turn of several questions (hundreds of tokens, different
-per session), where padding the caches costs more.
+per session), where attention over the caches weighs more (and where the padded batch this
+replaced copied every cache out to the longest one: bench/results/ragged-batch).
 
 Writes results.json, report.md and ratio.png to --out.
 """
@@ -164,7 +165,7 @@ def render(results: dict) -> str:
             )
         lines += [
             "",
-            f"Results of A and B differed in {setting['result_mismatches']} request(s). Raw logits of the padded "
+            f"Results of A and B differed in {setting['result_mismatches']} request(s). Raw logits of the "
             f"batch of 8 vs per-session forwards: max |diff| = {setting['max_abs_logit_diff_batch8']:.2e}, "
             f"argmax equal everywhere: {setting['argmax_equal_batch8']}.",
             "",

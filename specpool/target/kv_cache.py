@@ -9,13 +9,16 @@ rejected draft tokens leave no trace.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specpool.target.features import Features
 from specpool.target.tree import ROOT, tree_attention_mask, tree_depths
@@ -163,69 +166,97 @@ class PrefixCache:
 
 def supports_batched_logits(model: PreTrainedModel) -> bool:
     """Whether ``batched_logits`` can serve ``model``: its caches must be plain ``DynamicCache``s of
-    full-attention ``DynamicLayer``s, one per layer (keys/values (1, H, S, D) that can be padded
-    and stacked). Sliding-window or hybrid layers, and models with their own cache type, cannot."""
+    full-attention ``DynamicLayer``s, one per layer (keys/values (1, H, S, D) that a session's rows
+    extend), and its attention SDPA. Sliding-window or hybrid layers, models with their own cache
+    type, and other attention kernels cannot."""
     if getattr(model, "new_cache", None) is not None:
         return False
     try:
         probe = DynamicCache(config=model.config)
     except Exception:  # noqa: BLE001 - a config DynamicCache does not understand: not batchable
         return False
-    return bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
+    full_attention = bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
+    # The ragged batch stands in for SDPA (``_ragged_attention``); eager or flash attention kernels
+    # (and their masks) are not what it computes.
+    return full_attention and model.config._attn_implementation == "sdpa"
 
 
-class _PaddedBatchLayer(DynamicLayer):
-    """One layer of the batch cache of ``batched_logits``.
+RAGGED_ATTENTION = "specpool_ragged"  # the attention implementation of ``batched_logits_and_features``
+_RAGGED_LOCK = threading.Lock()  # one ragged forward at a time: it swaps the model's attention implementation
 
-    A plain ``DynamicLayer`` would need the padded (B, H, L, D) cache built beforehand and then
-    concatenate the new keys to it: two full copies of every session's cache per forward. This
-    layer builds one (B, H, L + T, D) buffer when the model calls ``update`` (T, H, D come from
-    the new keys): each session's cached keys/values left-padded with zeros to L, the T new ones
-    written after them. One copy, as a single session's forward costs (its own concatenation).
-    """
 
-    def __init__(self, cached: list[tuple[torch.Tensor, torch.Tensor] | None], past: int):
+@dataclass
+class _RaggedBatch:
+    """What the attention of one ragged forward needs per row: the session's cache and how many of
+    the T fed positions are real; and, per layer, that the ragged path served it."""
+
+    caches: list[PrefixCache]
+    keeps: list[int]  # c_i: cached positions reused
+    fed: list[int]  # n_i: real new positions
+    attended: set[int] = field(default_factory=set)  # layer indices the ragged attention served
+
+
+class _RaggedBatchLayer(DynamicLayer):
+    """One layer of the batch cache of ``batched_logits_and_features``: it holds nothing itself.
+    ``update`` appends each row's real new keys/values to that session's own cache layer (as the
+    session's own forward would) and returns the new ones only; ``_ragged_attention`` reads each
+    session's cache directly. So no padded (B, H, L + T, D) buffer is built and nothing is copied
+    back out of one: the old padded layout copied every session's whole cache twice a forward,
+    about 22 % of a served target's time with 8 sessions."""
+
+    def __init__(self, batch: _RaggedBatch, layer_idx: int):
         super().__init__()
-        self.cached = cached  # per row: (keys, values) each (1, H, c_i, D), or None when c_i = 0
-        self.past = past  # L
+        self.batch = batch
+        self.layer_idx = layer_idx
 
     def get_seq_length(self) -> int:
-        # Asked before the forward, to size the attention mask: the padded cached length L.
-        return self.past if not self.is_initialized else int(self.keys.shape[-2])
+        return max(self.batch.keeps)  # sizes the attention mask that transformers builds (unused)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.is_initialized:
-            raise RuntimeError("a batched_logits cache serves exactly one forward")
-        self.lazy_initialization(key_states, value_states)
-        batch, heads, width, dim = key_states.shape  # (B, H, T, D)
-        past = self.past
-        # Zeros, not empty memory: a masked pad still enters the attention matmul, and garbage
-        # such as inf or NaN would survive a zero weight (0 * NaN = NaN).
-        keys = key_states.new_zeros(batch, heads, past + width, dim)  # (B, H, L + T, D)
-        values = value_states.new_zeros(batch, value_states.shape[1], past + width, value_states.shape[3])  # (B, H, L + T, D)
-        for i, kv in enumerate(self.cached):
-            if kv is not None:
-                k_i, v_i = kv  # (1, H, c_i, D)
-                keys[i, :, past - k_i.shape[-2] : past] = k_i[0]
-                values[i, :, past - v_i.shape[-2] : past] = v_i[0]
-        keys[:, :, past:] = key_states
-        values[:, :, past:] = value_states
-        self.keys, self.values = keys, values
-        self.cached = []  # the sessions' own tensors are no longer needed here
-        return keys, values
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for i, (cache, n) in enumerate(zip(self.batch.caches, self.batch.fed)):
+            cache.cache.layers[self.layer_idx].update(key_states[i : i + 1, :, :n], value_states[i : i + 1, :, :n])
+        return key_states, value_states  # (B, H, T, D): the attention below does not read them
+
+
+def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged batch: row i's n_i real queries (1, Hq, n_i, D) attend to session i's
+    own c_i + n_i keys, causally, one small SDPA call per row; pad queries get zeros (their outputs
+    are never read). Without a ``_RaggedBatch`` in ``kwargs`` (any other forward of the model
+    while one runs) it is plain SDPA, so the swap of implementation changes nothing else.
+
+    Grouped-query attention without copying keys: query head h reads key head h // G, so the G
+    query heads of one key head are stacked as G * n_i query rows of that head (the causal mask
+    repeated G times), which is the same attention."""
+    batch: _RaggedBatch | None = kwargs.get(RAGGED_ATTENTION)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    rows, heads, _, dim = query.shape  # (B, Hq, T, D)
+    out = query.new_zeros(rows, query.shape[2], heads, dim)  # (B, T, Hq, D), the layout attention returns
+    layer_idx = module.layer_idx
+    for i, (cache, keep, n) in enumerate(zip(batch.caches, batch.keeps, batch.fed)):
+        keys, values = _layer_kv(cache.cache, layer_idx)  # (1, Hkv, c_i + n_i, D)
+        groups = heads // keys.shape[1]
+        q = query[i, :, :n].reshape(1, keys.shape[1], groups * n, dim)  # (1, Hkv, G * n_i, D)
+        mask = None
+        if n > 1:  # new position j sees cached ones and new ones up to j
+            mask = torch.ones(n, keep + n, dtype=torch.bool, device=query.device).tril(keep).repeat(groups, 1)  # (G * n_i, c_i + n_i)
+        o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)  # (1, Hkv, G * n_i, D)
+        out[i, :n] = o.reshape(heads, n, dim).transpose(0, 1)  # (n_i, Hq, D)
+    batch.attended.add(layer_idx)
+    return out, None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)  # as SDPA's: other forwards fall back to it
 
 
 def _layer_kv(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     layer = cache.layers[layer_idx]
     return layer.keys, layer.values  # (1, H, S, D) each
-
-
-def _set_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make ``keys``/``values`` (1, H, S, D) the whole content of one layer of ``cache``."""
-    layer = cache.layers[layer_idx]
-    if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
 
 
 def batched_logits(caches: Sequence[PrefixCache], inputs: Sequence[list[int]], n_lasts: Sequence[int]) -> list[torch.Tensor]:
@@ -242,82 +273,73 @@ def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[
 
     Why: on a shared target, B sessions each verifying k+1 positions cost B forwards of k+1
     tokens; one forward of B x (k+1) tokens reads the weights once (the dominant cost of a small
-    batch on CPU and GPU alike). Each session keeps its own cache; it only joins the batch for
-    this forward.
+    batch on CPU and GPU alike). Each session keeps its own cache.
 
-    Layout of the batch (row i = session i; c_i cached ids reused, n_i new ids fed; L = max c_i,
-    T = max n_i):
-
-        keys/values  [ pad ... | c_i cached ]  [ n_i new | pad ... ]
-                     <-------- L ---------->  <-------- T -------->
-
-    The cached keys/values are left-padded with zeros to L, the new ids right-padded to T; a 2-D
-    attention mask hides every pad, and explicit ``position_ids`` give each real id its true
-    position (c_i + j), so RoPE and attention see exactly what the session's own forward would.
-    Right padding of the new ids means every query row, pads included, can attend to at least
-    its session's first new id: no fully masked row, hence no NaN that a zero attention weight
-    could still spread (0 * NaN = NaN) into real rows. Afterwards session i's row of the buffer,
-    without padding (columns L - c_i .. L + n_i), becomes its own cache, which then holds exactly
-    ``inputs[i]``. Results equal the per-session forward up to float round-off (a different
-    matmul shape sums in a different order), not bitwise.
+    Layout: a *ragged* batch. The new ids of row i (n_i of them, after the c_i cached ids the
+    session reuses) are right-padded to T = max n_i; explicit ``position_ids`` give each real id
+    its true position (c_i + j), so RoPE sees what the session's own forward would. Everything
+    but attention works on the (B, T) batch as is. Attention (``_ragged_attention``) runs per row
+    against the session's own cache, which ``_RaggedBatchLayer`` extends by the row's real keys
+    first: no padded copy of the caches is built, and each cache ends up holding exactly
+    ``inputs[i]``. Pads feed the linear layers only; their outputs are dropped. Results equal the
+    per-session forward up to float round-off (a different matmul shape sums in a different
+    order), not bitwise.
 
     All caches must belong to one model that ``supports_batched_logits`` and be distinct objects.
     """
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("batched_logits needs distinct caches (one request per session per forward)")
     model = caches[0].model
+    if not supports_batched_logits(model):
+        raise ValueError("this model's caches or attention cannot be batched (supports_batched_logits)")
     device = model.device
     keeps = [cache.reuse(ids, n) for cache, ids, n in zip(caches, inputs, n_lasts)]
     news = [ids[keep:] for ids, keep in zip(inputs, keeps)]
-    batch, width, past = len(caches), max(len(n) for n in news), max(keeps)
+    batch, width = len(caches), max(len(n) for n in news)
 
     input_ids = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
     position_ids = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros(batch, past + width, dtype=torch.long)  # (B, L + T)
     for i, (new, keep) in enumerate(zip(news, keeps)):
         n = len(new)
         input_ids[i, :n] = torch.tensor(new)
-        input_ids[i, n:] = new[-1]  # any valid id: pads are masked out
+        input_ids[i, n:] = new[-1]  # any valid id: pads are never attended to
         position_ids[i, :n] = torch.arange(keep, keep + n)
         position_ids[i, n:] = keep + n - 1  # a position the model knows (learned tables too)
-        attention_mask[i, past - keep : past] = 1
-        attention_mask[i, past : past + n] = 1
 
+    ragged = _RaggedBatch(list(caches), keeps, [len(new) for new in news])
     batch_cache = DynamicCache(config=model.config)
-    batch_cache.layers = [
-        _PaddedBatchLayer([_layer_kv(c.cache, layer_idx) if keep else None for c, keep in zip(caches, keeps)], past)
-        for layer_idx in range(len(batch_cache.layers))
-    ]
+    batch_cache.layers = [_RaggedBatchLayer(ragged, layer_idx) for layer_idx in range(len(batch_cache.layers))]
 
     # Logits only where some session needs them: the union of each row's last n_last real
     # positions (right padding puts them at n_i - n_last .. n_i - 1, different per row).
     wanted = sorted({j for new, m in zip(news, n_lasts) for j in range(len(new) - m, len(new))})
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=True,
-        logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=device),  # (U,)
-        **({"output_hidden_states": True} if features else {}),
-        **{caches[0]._kwarg: batch_cache},
-    )
+    try:
+        with _RAGGED_LOCK:
+            model.config._attn_implementation = RAGGED_ATTENTION
+            try:
+                out = model(
+                    input_ids=input_ids.to(device),
+                    position_ids=position_ids.to(device),
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=device),  # (U,)
+                    **({"output_hidden_states": True} if features else {}),
+                    **{caches[0]._kwarg: batch_cache, RAGGED_ATTENTION: ragged},
+                )
+            finally:
+                model.config._attn_implementation = "sdpa"
+        if len(ragged.attended) != len(batch_cache.layers):
+            raise RuntimeError(f"{type(model).__name__} did not pass attention kwargs to every layer: "
+                               "its verification cannot be batched")
+    except BaseException:
+        for cache in caches:  # the caches may hold some layers' new keys: start them afresh next time
+            cache.cache, cache.token_ids = None, []
+        raise
     hidden = out.hidden_states[-1] if features else None  # (B, T, d), after the last norm
     logits = out.logits  # (B, U, V)
     column = {j: u for u, j in enumerate(wanted)}
-
-    # Each session gets a copy of its rows, never a view into the batch buffer: a view keeps the
-    # whole buffer (every session of the batch, padding included) alive for as long as any one
-    # session holds it, and finished sessions keep their caches (keep_caches) until the LRU drops
-    # them. Measured with 64 kept sessions: views held 2.4x the KV bytes the sessions own
-    # (1,061 vs 444 MiB) and the served target's RSS kept climbing. The copy is one memcpy of the
-    # session's KV per round (46 KB a position on the default target); its time was not measured apart.
     results = []
     for i, (cache, ids, new, keep, m) in enumerate(zip(caches, inputs, news, keeps, n_lasts)):
         n = len(new)
-        for layer_idx, layer in enumerate(batch_cache.layers):
-            keys = layer.keys[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
-            values = layer.values[i : i + 1, :, past - keep : past + n]  # (1, H, c_i + n_i, D)
-            _set_layer(cache.cache, layer_idx, keys.clone(), values.clone())
         cache.token_ids = list(ids)
         rows = Features(keep, hidden[i, :n]) if hidden is not None else None  # (n_i, d)
         results.append((logits[i, column[n - m] : column[n - 1] + 1], rows))  # (n_last, V)

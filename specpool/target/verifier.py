@@ -125,7 +125,7 @@ class TargetVerifier:
         self.feature_width = int(model.config.hidden_size)  # width of the features white-box heads read
         self.context_window = context_window(model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
-        # Padded batching needs plain full-attention caches; other models verify one by one.
+        # Batching needs plain full-attention caches and SDPA attention; other models verify one by one.
         self.batchable = supports_batched_logits(model)
         self.split_cost_tokens = split_cost_tokens
         if forward_widths is None:
@@ -168,8 +168,8 @@ class TargetVerifier:
         Same-session requests are split into waves (the j-th request of every session forms
         wave j), each wave normally one forward; ``plan_forwards`` splits a wave only where
         padding would cost more than another forward (a prompt prefill among k+1-token rounds).
-        A group of one request, or a model whose caches cannot be padded
-        (``supports_batched_logits``), goes through ``verify`` itself. A draft tree in a group of
+        A group of one request, or a model whose caches or attention cannot be
+        batched (``supports_batched_logits``), goes through ``verify`` itself. A draft tree in a group of
         several is verified as its first branch (``first_branch``). ``forward_s`` of a
         batched result is the wall time of the whole shared forward.
         """

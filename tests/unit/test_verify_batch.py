@@ -13,7 +13,8 @@ import torch
 from specpool.drafters.hf_model import HFModelDrafter
 from specpool.core.errors import InvalidArgument
 from specpool.router.loop import FixedChooser, speculative_generate
-from specpool.target.kv_cache import PrefixCache, batched_logits
+from specpool.target.kv_cache import PrefixCache, batched_logits, supports_batched_logits
+from specpool.target.models import ModelConfig, load_causal_lm
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult, plan_forwards
@@ -91,7 +92,7 @@ def request(drafters, name, session_id, context, k, params, return_top_k=0) -> V
     return VerifyRequest(session_id, list(context), proposal.tokens, proposal.q, params, return_top_k)
 
 
-# -- batched_logits: the padded forward itself ---------------------------------------------------------
+# -- batched_logits: the ragged forward itself ---------------------------------------------------------
 
 def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm):
     """Caches in every state (fresh, extended, branched, shorter than cached, n_last past the
@@ -126,9 +127,9 @@ def test_batched_logits_equal_per_cache_logits_across_cache_states(target_lm):
 
 
 def test_after_a_batch_each_cache_owns_only_its_own_rows(target_lm):
-    """Memory: a session kept after its request (keep_caches) must not pin the batch buffer, so
+    """Memory: a session kept after its request (keep_caches) must pin nothing of the batch, so
     each cache's tensors have storage of their own, exactly their rows (no padding, no other
-    session's rows); a view into the buffer would hold all B sessions' padded rows."""
+    session's rows); a view into a batch tensor would hold all B sessions' rows."""
     model, _ = target_lm
     caches = [PrefixCache(model) for _ in range(4)]
     inputs = [[1] + list(range(3, 3 + n)) for n in (2, 9, 30, 5)]  # very different lengths: mostly padding
@@ -148,6 +149,46 @@ def test_batched_logits_rejects_one_cache_twice(target_lm):
     cache = PrefixCache(target_lm[0])
     with pytest.raises(ValueError, match="distinct"):
         batched_logits([cache, cache], [[1, 2], [1, 3]], [1, 1])
+
+
+def test_a_batched_forward_that_fails_leaves_every_cache_usable(target_lm):
+    """A forward that fails part-way has already extended some layers of some caches; those caches
+    start afresh (a re-prefill, never a wrong answer), and the model's attention is SDPA again."""
+    model, _ = target_lm
+    caches = [PrefixCache(model) for _ in range(3)]
+    inputs = [[1] + list(range(3, 3 + n)) for n in (4, 9, 6)]
+    for cache, ids in zip(caches, inputs):
+        cache.logits(ids, 1)
+
+    def fail(module, args, kwargs):
+        raise RuntimeError("injected fault")
+
+    handle = model.model.layers[-1].register_forward_pre_hook(fail, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            batched_logits(caches, [ids + [7, 8] for ids in inputs], [3] * 3)
+    finally:
+        handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+    for cache, ids in zip(caches, inputs):
+        assert cache.token_ids == [] and cache.cache is None
+        probe = ids + [7, 8]
+        torch.testing.assert_close(cache.logits(probe, 3), fresh_logits(model, probe, 3), atol=ATOL, rtol=1e-4)
+    assert model(input_ids=torch.tensor([inputs[0]])).logits.isfinite().all()  # single forwards unaffected
+
+
+def test_a_model_without_sdpa_attention_verifies_one_by_one(model_dirs, home, drafters, prompts):
+    """The ragged batch computes SDPA's attention; a model on another kernel (eager here) is not
+    batched, and its rounds still verify correctly one by one."""
+    model, tokenizer = load_causal_lm(ModelConfig(str(model_dirs.target)), home, attn_implementation="eager")
+    assert not supports_batched_logits(model)
+    with pytest.raises(ValueError, match="cannot be batched"):
+        batched_logits([PrefixCache(model), PrefixCache(model)], [[1, 3], [1, 4]], [1, 1])
+    verifier, reference = TargetVerifier(model, tokenizer), TargetVerifier(model, tokenizer)
+    assert not verifier.batchable
+    requests = [request(drafters, "noisy", f"e{i}", prompts[i], 3, SamplingParams(max_new_tokens=10)) for i in range(3)]
+    for r, g in zip(requests, verifier.verify_batch(requests)):
+        assert_same_result(g, reference.verify(r))
 
 
 # -- verify_batch == verify ----------------------------------------------------------------------------
@@ -334,7 +375,7 @@ def test_same_session_requests_in_one_batch_run_in_order(verifier, reference, dr
 
 def test_batch_of_one_is_plain_verify(verifier, reference, drafters, prompts, monkeypatch):
     def no_batching(*args, **kwargs):
-        raise AssertionError("a batch of one must not take the padded path")
+        raise AssertionError("a batch of one must not take the batched path")
 
     monkeypatch.setattr("specpool.target.verifier.batched_logits_and_features", no_batching)
     r = request(drafters, "noisy", "solo", prompts[7], 5, SamplingParams(temperature=0.9, seed=2, max_new_tokens=10))
