@@ -176,9 +176,13 @@ def supports_batched_logits(model: PreTrainedModel) -> bool:
     except Exception:  # noqa: BLE001 - a config DynamicCache does not understand: not batchable
         return False
     full_attention = bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
+    return full_attention and _sdpa(model)
+
+
+def _sdpa(model: PreTrainedModel) -> bool:
     # The ragged batch stands in for SDPA (``_ragged_attention``); eager or flash attention kernels
     # (and their masks) are not what it computes.
-    return full_attention and model.config._attn_implementation == "sdpa"
+    return model.config._attn_implementation == "sdpa"
 
 
 RAGGED_ATTENTION = "specpool_ragged"  # the attention implementation of ``batched_logits_and_features``
@@ -194,6 +198,9 @@ class _RaggedBatch:
     keeps: list[int]  # c_i: cached positions reused
     fed: list[int]  # n_i: real new positions
     attended: set[int] = field(default_factory=set)  # layer indices the ragged attention served
+    # Per row, the causal mask of its queries (None for one query), the same in every layer: built
+    # by the first layer's attention, which knows the heads' grouping and the device.
+    masks: list[torch.Tensor | None] | None = None
 
 
 class _RaggedBatchLayer(DynamicLayer):
@@ -237,13 +244,13 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     rows, heads, _, dim = query.shape  # (B, Hq, T, D)
     out = query.new_zeros(rows, query.shape[2], heads, dim)  # (B, T, Hq, D), the layout attention returns
     layer_idx = module.layer_idx
-    for i, (cache, keep, n) in enumerate(zip(batch.caches, batch.keeps, batch.fed)):
+    groups = heads // key.shape[1]  # G query heads per key head
+    if batch.masks is None:  # new position j sees the cached ones and the new ones up to j
+        batch.masks = [torch.ones(n, keep + n, dtype=torch.bool, device=query.device).tril(keep).repeat(groups, 1)
+                       if n > 1 else None for keep, n in zip(batch.keeps, batch.fed)]  # (G * n_i, c_i + n_i)
+    for i, (cache, n, mask) in enumerate(zip(batch.caches, batch.fed, batch.masks)):
         keys, values = _layer_kv(cache.cache, layer_idx)  # (1, Hkv, c_i + n_i, D)
-        groups = heads // keys.shape[1]
         q = query[i, :, :n].reshape(1, keys.shape[1], groups * n, dim)  # (1, Hkv, G * n_i, D)
-        mask = None
-        if n > 1:  # new position j sees cached ones and new ones up to j
-            mask = torch.ones(n, keep + n, dtype=torch.bool, device=query.device).tril(keep).repeat(groups, 1)  # (G * n_i, c_i + n_i)
         o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)  # (1, Hkv, G * n_i, D)
         out[i, :n] = o.reshape(heads, n, dim).transpose(0, 1)  # (n_i, Hq, D)
     batch.attended.add(layer_idx)
@@ -290,8 +297,8 @@ def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("batched_logits needs distinct caches (one request per session per forward)")
     model = caches[0].model
-    if not supports_batched_logits(model):
-        raise ValueError("this model's caches or attention cannot be batched (supports_batched_logits)")
+    if not _sdpa(model):  # the cache layout is the caller's to check once (supports_batched_logits)
+        raise ValueError("this model's attention cannot be batched (supports_batched_logits)")
     device = model.device
     keeps = [cache.reuse(ids, n) for cache, ids, n in zip(caches, inputs, n_lasts)]
     news = [ids[keep:] for ids, keep in zip(inputs, keeps)]
