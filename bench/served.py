@@ -35,6 +35,7 @@ from typing import Sequence
 from bench.common import WARMUP_PROMPT, default_out, expand_pool, load_questions, machine_info
 from specpool.core.defaults import DEFAULT_K, DEFAULT_POLICY
 from specpool.core.errors import check
+from specpool.services import batch_trace
 
 DEFAULT_CONCURRENCY = "1,4,8"
 EMBEDDED_START_TIMEOUT_S = 600.0  # loading the target and the pool's drafters in the child
@@ -308,9 +309,47 @@ def markdown_report(result: dict, plot: str | None) -> str:
               "(`LoadGate`, specpool/router/hosted.py).",
               "TTFT: request sent → first streamed token; ITL: each streamed message's gap since the previous one, "
               "spread over the tokens it carries (a round's tokens arrive together).", ""]
+    lines += trace_table(levels)
     if plot:
         lines += [f"![aggregate tokens/s]({plot})", ""]
     return "\n".join(lines)
+
+
+def trace_table(levels: list[dict]) -> list[str]:
+    """Markdown lines: the target's batch trace per level (specpool/services/batch_trace.py), where
+    the level has one: verify calls by batch kind and path, each session's return gap, batches that
+    fired without a session they waited for."""
+    rows = [lv for lv in levels if lv.get("batch_trace")]
+    if not rows:
+        return []
+
+    def busy(tr: dict) -> str:
+        total = tr.get("busy_s", 0.0) + tr.get("idle_s", 0.0)
+        return f"{tr['busy_s'] / total:.0%} ({tr['busy_s']:.1f} s of {total:.1f})" if total else "–"
+
+    def counts(table: dict, order: list[str]) -> str:
+        return ", ".join(f"{k} {table[k]}" for k in order if table.get(k)) or "–"
+
+    paths = [f"{kind} {path}" for kind in ("alone", "grouped") for path in ("direct", "serve")]
+    buckets = [f"<{b}" for b in batch_trace.GAP_BUCKETS_MS] + [f">={batch_trace.GAP_BUCKETS_MS[-1]}"]
+    lines = ["Target batch trace (`specpool/services/batch_trace.py`): its verify calls by the batch they ran in "
+             "(alone or grouped) and the path they came by (the same-node direct route or Serve's handle); "
+             "each call's return gap (from the target's answer to that session's next call arriving, the "
+             "router's work and both transports); batches that fired (`batch_wait_timeout_s` passed) without "
+             "a call from a session of the batch before, and those sessions' paths.", "",
+             "Busy: the model thread's share of the level's batch time (from a batch firing to its forward's end), "
+             "against idle between batches while some session was between rounds.", "",
+             "| sessions | calls | return gap, alone (ms) | return gap, grouped (ms) | batches fired short | missed, by path | busy |",
+             "|---|---|---|---|---|---|---|"]
+    for lv in rows:
+        tr = lv["batch_trace"]
+        gaps = tr.get("return_gap_ms", {})
+        alone = {b: gaps.get(f"alone {b}", 0) for b in buckets}
+        grouped = {b: gaps.get(f"grouped {b}", 0) for b in buckets}
+        lines.append(f"| {lv['sessions']} | {counts(tr.get('calls', {}), paths)} | {counts(alone, buckets)} | "
+                     f"{counts(grouped, buckets)} | {tr.get('short_batches', 0)} | "
+                     f"{counts(tr.get('missed_by_path', {}), ['direct', 'serve'])} | {busy(tr)} |")
+    return lines + [""]
 
 
 def split_table(ms_per_round: dict) -> list[str]:
@@ -525,12 +564,13 @@ def concurrency_level(client, prompts: list[str], sessions: int, n_requests: int
     wall = time.perf_counter() - started
     after = target_stats()
     plain = after.get("plain_batches", 0) - before.get("plain_batches", 0)
+    trace = batch_trace.diff(after["batch_trace"], before["batch_trace"]) if "batch_trace" in after else None
     before, after = before["batch_sizes"], after["batch_sizes"]
     sizes = {str(s): after.get(s, 0) - before.get(s, 0) for s in after if after.get(s, 0) - before.get(s, 0)}
     tokens = sum(t.tokens for t in timings)
     return {"sessions": sessions, "requests": len(timings), "errors": errors, "tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-            "latency": latency_summary(timings), "batch_sizes": sizes, "plain_batches": plain}
+            "latency": latency_summary(timings), "batch_sizes": sizes, "plain_batches": plain, "batch_trace": trace}
 
 
 def _delete_namespace(redis_url: str, namespace: str) -> None:

@@ -23,6 +23,7 @@ Serve. ``RouterArgs.direct_calls`` turns it off.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import secrets
 import threading
 from collections import OrderedDict
@@ -38,6 +39,16 @@ from specpool.v1 import common_pb2, drafter_pb2_grpc, target_pb2_grpc
 TOKEN_METADATA = "x-specpool-direct-token"
 LOOPBACK = "127.0.0.1"
 MAX_ROUTES = 4096  # sessions remembered per caller; the least recently used are forgotten
+# True inside a method a direct call runs (the target's batch trace counts calls by path).
+_IN_DIRECT_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("specpool_in_direct_call", default=False)
+
+
+def in_direct_call() -> bool:
+    """Whether the running method was called over a direct route (not through Serve).
+
+    A function rather than the context variable itself: a Serve deployment's class is pickled, and
+    a context variable cannot be."""
+    return _IN_DIRECT_CALL.get()
 
 
 def _node_id() -> str:
@@ -111,11 +122,14 @@ class _Servicer:
         if not secrets.compare_digest(str(metadata.get(TOKEN_METADATA, "")), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a direct call needs the token of this replica's route")
         self._endpoint.calls += 1
+        marked = _IN_DIRECT_CALL.set(True)
         try:
             return await self._endpoint.methods[method](request)
         except Exception as exc:  # noqa: BLE001 - the one mapping to status codes, as on Serve's path
             code, message = grpc_status(exc)
             await context.abort(code, message)
+        finally:
+            _IN_DIRECT_CALL.reset(marked)
 
     async def Propose(self, request, context):
         return await self._call("Propose", request, context)

@@ -89,7 +89,9 @@ from specpool.services.admission import Admission, QuotaExceeded, load_quotas, r
 from specpool.services.api import finish_reason_to_proto, spec_from_proto, stats_to_proto
 from specpool.services.auth import ApiKeys, bearer_token, load_api_keys
 from specpool.services.config import settings_from_env
-from specpool.services.direct import DirectEndpoint, DirectRoutes
+from specpool.services.batch_gate import BatchGate
+from specpool.services.batch_trace import BatchTrace
+from specpool.services.direct import DirectEndpoint, DirectRoutes, in_direct_call
 from specpool.services.metrics import RayMetrics, TenantLabels
 from specpool.services.orchestrator import (EmittedFeedback, ModelInfo, Orchestrator, OrchestratorSettings, Outcome,
                                            Prepared, ServedDrafters)
@@ -239,10 +241,10 @@ class TargetServer:
         }
         self._live = _RecentSessions()  # sessions verified and not released since (LRU may drop more)
         self._batch_sizes: Counter[int] = Counter()
-        self._model_free = asyncio.Event()  # no verify forward running: calls may join the batch queue
-        self._model_free.set()
-        self._expected: set[str] = set()  # sessions of the last batch: the next one waits for their calls
-        self._queued: set[str] = set()  # sessions with a call in the batch queue
+        # Which calls make the next batch (specpool/services/batch_gate.py); Serve's batch then takes
+        # them whole, and its own wait only matters for a member cancelled on its way in.
+        self._batch_gate = BatchGate(args.max_batch_size, args.batch_wait_timeout_s)
+        self._trace = BatchTrace()  # why a session's calls miss the others' batches (Stats)
         self._verify_batch.set_max_batch_size(1)
         self._verify_batch.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
         self._direct = DirectEndpoint("target", {"Verify": self.Verify, "Release": self.Release})
@@ -262,46 +264,45 @@ class TargetServer:
         return HostingVerifier(verifier, drafters, LoadGate() if args.load_gate and drafters else None)
 
     async def Verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        """Batching (``@serve.batch`` below) of calls that do not arrive in step.
+        """One session's round, verified in a batch with the other sessions' (``@serve.batch``
+        below), assembled by the gate (specpool/services/batch_gate.py, which says why).
 
-        Each session sends its next call a little after its previous result (the router's own
-        work in between), so sessions drift out of phase; and Serve seals the next batch while the
-        current one runs. Left alone, two sessions alternate forever in batches of one. So: (1)
-        calls join the batch queue only while no forward is running (they wait at a gate), and (2)
-        a batch waits, up to batch_wait_timeout_s, for a call from every session of the previous
-        batch and fires the moment they are all in. Sessions then stay in step. A session whose
-        request has ended leaves that list by the router's notice (``Release`` with ``keep_caches``);
-        without it, the next request of a lone client waited one timeout (50 ms of its time to
-        first token), and a session that finished cost the others one timeout.
+        A session whose request has ended leaves the batch's wait by the router's notice (``Release``
+        with ``keep_caches``); without it, the next request of a lone client waited one timeout (50 ms
+        of its time to first token), and a session that finished cost the others one timeout.
         """
         verify_request = convert.verify_request_from_proto(request)
         hosted = convert.hosted_draft_from_proto(request)
         session = verify_request.session_id
-        await self._model_free.wait()
-        self._queued.add(session)
-        wanted = len(self._expected | self._queued)
-        self._verify_batch.set_max_batch_size(max(1, min(self.args.max_batch_size, wanted)))
+        self._trace.arrived(session, in_direct_call())
         try:
+            size = await self._batch_gate.join(session)
+            # Every member of the batch sets the same size and enters the queue in this event-loop
+            # step, before Serve's batch loop runs: it seals exactly them at once.
+            self._verify_batch.set_max_batch_size(size)
             outcome = await self._verify_batch((verify_request, hosted))
+            if isinstance(outcome, BaseException):
+                raise outcome
+            proposal, result = outcome
+            response = convert.verify_result_to_proto(result, self.args.feature_dtype,
+                                                      proposal if hosted is not None and hosted.drafter else None)
+            await _offer_route(self._direct, response)
+            self._trace.answered(session)
+            return response
         finally:
-            self._queued.discard(session)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        proposal, result = outcome
-        response = convert.verify_result_to_proto(result, self.args.feature_dtype,
-                                                  proposal if hosted is not None and hosted.drafter else None)
-        await _offer_route(self._direct, response)
-        return response
+            self._batch_gate.answer_left(session)  # an error or a cancelled call counts as answered too
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
     async def _verify_batch(self, requests: list) -> list:
-        self._model_free.clear()
-        self._expected = {r.session_id for r, _ in requests}
+        sessions = [r.session_id for r, _ in requests]
+        self._trace.batch(sessions, self._batch_gate.expected)
+        self._batch_gate.fired(sessions)
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._model_thread, self._run_batch, requests)
         finally:
-            self._model_free.set()
+            self._trace.ended()
+            self._batch_gate.forward_done()
 
     def _run_batch(self, items: list) -> list:
         """(request, hosted draft) pairs -> (proposal, result) pairs; a failed one's entry is its SpecpoolError."""
@@ -312,7 +313,8 @@ class TargetServer:
     async def Release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         """Frees a session's cache; with ``keep_caches``, only says that its request has ended.
         Either way the next batch stops waiting for this session's call (see ``Verify``)."""
-        self._expected.discard(request.session_id)  # no more rounds to wait for
+        self._batch_gate.request_ended(request.session_id)  # no more rounds to wait for
+        self._trace.forget(request.session_id)
         if request.keep_caches:
             return common_pb2.ReleaseResponse(released=False)
         loop = asyncio.get_running_loop()
@@ -335,9 +337,12 @@ class TargetServer:
     async def Stats(self) -> dict:
         """Batches run by size: {size: count}; calls that came over the direct route; the sessions
         the next batch would wait for (those of the last batch whose request has not ended); hosted
-        drafts that failed; batches the load gate verified without drafts, and its measured tokens/s."""
+        drafts that failed; batches the load gate verified without drafts, and its measured tokens/s;
+        the batch trace (calls by batch kind and path, return gaps, batches that fired short:
+        specpool/services/batch_trace.py)."""
         return {"batch_sizes": dict(self._batch_sizes), "direct_calls": self._direct.calls,
-                "waiting_for": sorted(self._expected), "hosted_draft_failures": self.hosting.draft_failures,
+                "batch_trace": self._trace.snapshot(),
+                "waiting_for": sorted(self._batch_gate.expected), "hosted_draft_failures": self.hosting.draft_failures,
                 "plain_batches": self.hosting.gate.plain_batches if self.hosting.gate else 0,
                 "gate_tokens_per_s": self.hosting.gate.rates() if self.hosting.gate else {}}
 

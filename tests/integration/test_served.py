@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from specpool.core.errors import DeadlineExceeded, InvalidArgument, NotFound
+from specpool.services import batch_trace
 from specpool.services.client import SpecPoolClient
 from specpool.v1 import specpool_pb2, specpool_pb2_grpc
 
@@ -167,6 +168,7 @@ def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, cl
     that replica's loopback endpoint (specpool/services/direct.py); the answer does not change."""
     router_before = _call(served.handles.router, "Direct")
     target_before = _call(served.handles.target, "Stats")["direct_calls"]
+    trace_before = _call(served.handles.target, "Stats")["batch_trace"]
     drafters_before = sum(_call(h, "Stats")["direct_calls"] for h in served.handles.drafters.values())
     session = uuid.uuid4().hex
     answer = client.generate(PROMPTS[3], max_new_tokens=MAX_NEW, session_id=session)
@@ -180,6 +182,12 @@ def test_a_sessions_later_model_calls_go_over_same_node_direct_routes(served, cl
     # Every verify but the first goes direct, and so does the notice; each drafter used is reached
     # through Serve once.
     assert target_direct == rounds, (target_direct, rounds)
+    # The target's batch trace saw the same: one verify through Serve, the rest direct, each of
+    # them with the session's return gap (all but the first).
+    trace = batch_trace.diff(_call(served.handles.target, "Stats")["batch_trace"], trace_before)
+    by_path = {path: sum(n for key, n in trace["calls"].items() if key.endswith(path)) for path in ("serve", "direct")}
+    assert by_path == {"serve": 1, "direct": rounds - 1}, trace
+    assert sum(trace["return_gap_ms"].values()) == rounds - 1, trace
     # (The last round may draft nothing: k capped to 0.)
     assert rounds - 2 - len(served.handles.drafters) <= drafters_direct <= rounds - 1, (drafters_direct, rounds)
     router = _wait(lambda: (lambda r: r if r["calls"] - router_before["calls"] == target_direct + drafters_direct else None)(

@@ -27,6 +27,7 @@ class Replica:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.proposals = 0
+        self.paths: list[bool] = []  # per Propose, whether it ran for a direct call
         self.released: list[str] = []
         self.endpoint = DirectEndpoint("drafter", {"Propose": self.Propose, "Release": self.Release}, node_id=lambda: node)
 
@@ -34,6 +35,7 @@ class Replica:
         if request.k == 99:
             raise InvalidArgument("k (draft length) must be in 1..32, got 99")
         self.proposals += 1
+        self.paths.append(direct.in_direct_call())
         response = drafter_pb2.ProposeResponse(tokens=[request.k, self.proposals])
         route = await self.endpoint.route()
         if route is not None:
@@ -101,6 +103,9 @@ def test_a_sessions_later_calls_go_straight_to_its_replica(replica):
     assert replica.released == ["s1"] and serve.calls == 2 and routes.route_of("s1") is None
     caller.call("Propose", propose(), "s1")  # released: the session's next request starts over
     assert serve.calls == 3
+    # The method knows which way each call came (the target's batch trace counts calls by path).
+    assert replica.paths == [False, True, False, False]
+    assert not direct.in_direct_call()  # the mark does not leak out of the call
 
 
 def test_an_end_of_request_notice_keeps_the_sessions_route(replica):

@@ -178,13 +178,107 @@ def test_a_targets_batches_stop_waiting_for_a_session_whose_request_ended(model_
         # test tests/integration/test_served.py goes through it).
         request = VerifyRequest("s1", [1, 2, 3], [], [], SamplingParams(max_new_tokens=4))
         target._model_thread.submit(target._run_batch, [(request, None)]).result()
-        target._expected = {"s1"}
+        target._batch_gate.expected = {"s1"}
         assert (await target.Stats())["waiting_for"] == ["s1"]
         kept = await target.Release(common_pb2.ReleaseRequest(session_id="s1", keep_caches=True))
         assert not kept.released and (await target.Stats())["waiting_for"] == []
         assert await target.Sessions() == ["s1"]  # the cache stays for the session's next request
         assert (await target.Release(common_pb2.ReleaseRequest(session_id="s1"))).released
         assert await target.Sessions() == []
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        target._model_thread.shutdown()
+
+
+def test_the_targets_batches_are_assembled_by_its_gate_and_sealed_whole(model_dirs, home, monkeypatch,
+                                                                        torch_threads_restored):
+    """Through the real @serve.batch on an event loop (specpool/services/batch_gate.py): the calls
+    the gate releases make one batch, sealed at once; a call that arrives while the last batch's
+    answers are still being written waits until they have all left, so the batch it joins waits for
+    those sessions' next calls from then on (bench/results/batch-trace). A failed call leaves the
+    gate open, and a gate still shut a while after a forward opens anyway."""
+    import asyncio
+    import time
+
+    from specpool.services import serve_app
+
+    from ray.serve import batching
+
+    monkeypatch.setenv("SPECPOOL_HOME", str(home))
+    # Serve's batch queue reads the replica's max_ongoing_requests for a warning; there is no replica here.
+    monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
+    # The queue this test's event loop creates hangs on the class's batch method (one per process
+    # in Serve); put back "none yet" afterwards, or the class no longer pickles for a deployment.
+    monkeypatch.setattr(serve_app.TargetServer.func_or_class._verify_batch.set_max_batch_size.__self__, "_queue", None)
+    target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target)))
+    fired: list[tuple[list[str], float]] = []
+    left: dict[str, float] = {}
+    run_batch = target._run_batch
+
+    def recording_run_batch(items):
+        fired.append(([r.session_id for r, _ in items], time.perf_counter()))
+        return run_batch(items)
+
+    target._run_batch = recording_run_batch
+    offer_route = serve_app._offer_route
+
+    async def slow_for_a(endpoint, response):  # a's answer takes 300 ms to leave, on the event loop's time
+        if slow["a"]:
+            await asyncio.sleep(0.3)
+        await offer_route(endpoint, response)
+
+    slow = {"a": False}
+    monkeypatch.setattr(serve_app, "_offer_route", slow_for_a)
+    params = SamplingParams(max_new_tokens=4)
+
+    def call(session: str, context: list[int]):
+        return convert.verify_request_to_proto(VerifyRequest(session, context, [], [], params))
+
+    async def verify(session, context):
+        response = await target.Verify(call(session, context))
+        left[session] = time.perf_counter()
+        return response
+
+    async def scenario():
+        # Three sessions' first calls: the first goes alone (no batch before it to wait for), the
+        # two that came meanwhile wait for its answer and then for its next call: one batch of 3.
+        first = [asyncio.ensure_future(verify(s, [1, 2, 3])) for s in ("x", "y")]
+        await asyncio.sleep(0)
+        await asyncio.gather(*first, verify("z", [1, 2]))
+        assert [sorted(sessions) for sessions, _ in fired] == [["x"], ["y", "z"]]
+        seen = len(fired)
+        # The next rounds of all three: the batch waits for y and z (the last batch), takes x on the
+        # way, and goes the moment z is in: one batch of three, sealed whole by Serve.
+        await asyncio.gather(*(verify(s, [1, 2, 3, 4]) for s in ("x", "y", "z")))
+        assert [sorted(sessions) for sessions, _ in fired[seen:]] == [["x", "y", "z"]]
+        for s in ("x", "y", "z"):
+            await target.Release(common_pb2.ReleaseRequest(session_id=s, keep_caches=True))
+        fired.clear()
+        await verify("a", [1, 2, 3])  # a batch of a alone: the next batch waits for a
+        slow["a"] = True
+        a_round = asyncio.ensure_future(verify("a", [1, 2, 3, 4]))
+        await asyncio.sleep(0.05)  # a's forward is done, its answer not yet sent
+        assert not target._batch_gate.is_open
+        await verify("b", [1, 2])
+        await a_round
+        assert [sessions for sessions, _ in fired] == [["a"], ["a"], ["b"]]
+        assert fired[2][1] >= left["a"], "b's batch fired before a's answer had left"
+        # A failed call leaves the gate open.
+        slow["a"] = False
+        with pytest.raises(Exception):
+            await target.Verify(call("c", []))  # no context: refused
+        assert target._batch_gate.is_open
+        # Insurance: a batch whose answers never all leave opens the gate after fallback_s.
+        target._batch_gate.fallback_s = 0.1
+        target._batch_gate.expected.clear()
+        target._run_batch = lambda items: (target._batch_gate._answering.add("ghost"), run_batch(items))[1]
+        await verify("d", [1, 2])
+        assert not target._batch_gate.is_open
+        await asyncio.sleep(0.2)
+        assert target._batch_gate.is_open
+        await target._direct.stop()
 
     try:
         asyncio.run(scenario())
