@@ -37,7 +37,9 @@ GATE_FALLBACK_S = 1.0  # a released or answering batch that has not opened the g
 
 class _Assembly:
     def __init__(self) -> None:
-        self.members: dict[str, asyncio.Future] = {}  # session -> its release (the batch size)
+        # (session, its release: the batch size). A list, not a dict by session: a retried call of
+        # a session whose first call still waits here must not orphan that first call's release.
+        self.members: list[tuple[str, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -71,14 +73,15 @@ class BatchGate:
             assembly = self._assembly = _Assembly()
             assembly.timer = asyncio.get_running_loop().call_later(self.wait_s, self._release, assembly)
         released = asyncio.get_running_loop().create_future()
-        assembly.members[session] = released
+        member = (session, released)
+        assembly.members.append(member)
         if self._complete(assembly):
             self._release(assembly)
         try:
             return await released
         except asyncio.CancelledError:
             if assembly is self._assembly:  # not released: leave it (an empty one releases nothing)
-                assembly.members.pop(session, None)
+                assembly.members.remove(member)
             raise
 
     def fired(self, sessions: list[str]) -> None:
@@ -114,7 +117,8 @@ class BatchGate:
             self._release(self._assembly)
 
     def _complete(self, assembly: _Assembly) -> bool:
-        return len(assembly.members) >= self.capacity or (bool(assembly.members) and self.expected <= assembly.members.keys())
+        joined = {session for session, _ in assembly.members}
+        return len(assembly.members) >= self.capacity or (bool(joined) and self.expected <= joined)
 
     def _release(self, assembly: _Assembly) -> None:
         if assembly is not self._assembly:
@@ -122,7 +126,7 @@ class BatchGate:
         self._assembly = None
         if assembly.timer is not None:
             assembly.timer.cancel()
-        members = [(s, f) for s, f in assembly.members.items() if not f.done()]
+        members = [(s, f) for s, f in assembly.members if not f.done()]
         if not members:
             return  # every member was cancelled: nothing to run, the gate stays open
         self._open.clear()

@@ -160,3 +160,16 @@ def test_a_stale_fallback_does_not_open_the_gate_of_a_later_batch():
         gate.answer_left("a")
         assert gate.is_open
     run(scenario)
+
+
+def test_a_retried_call_of_a_waiting_session_does_not_orphan_the_first():
+    """A router that gave up on a call and retried it: both calls of the session are released (the
+    target's batch then verifies both, or the first one's caller has gone)."""
+    async def scenario():
+        gate = BatchGate(8, wait_s=WAIT)
+        gate.expected = {"a", "b"}
+        first = asyncio.ensure_future(gate.join("a"))
+        await asyncio.sleep(0)
+        retry = asyncio.ensure_future(gate.join("a"))
+        assert await asyncio.gather(first, retry) == [2, 2]
+    run(scenario)
