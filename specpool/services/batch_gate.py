@@ -52,7 +52,6 @@ class BatchGate:
         self.wait_s = wait_s
         self.fallback_s = fallback_s
         self.expected: set[str] = set()  # sessions of the last batch whose request has not ended
-        self.batches = 0  # batches fired
         self._open = asyncio.Event()
         self._open.set()
         self._assembly: _Assembly | None = None
@@ -68,15 +67,17 @@ class BatchGate:
         """Wait until ``session``'s call may enter the batch queue; returns the batch's size."""
         while not self._open.is_set():
             await self._open.wait()
+        loop = asyncio.get_running_loop()
         assembly = self._assembly
         if assembly is None:
             assembly = self._assembly = _Assembly()
-            assembly.timer = asyncio.get_running_loop().call_later(self.wait_s, self._release, assembly)
-        released = asyncio.get_running_loop().create_future()
+        released = loop.create_future()
         member = (session, released)
         assembly.members.append(member)
         if self._complete(assembly):
             self._release(assembly)
+        elif assembly.timer is None:  # the wait starts with the first call that has to wait
+            assembly.timer = loop.call_later(self.wait_s, self._release, assembly)
         try:
             return await released
         except asyncio.CancelledError:
@@ -86,7 +87,6 @@ class BatchGate:
 
     def fired(self, sessions: list[str]) -> None:
         """A batch of ``sessions`` starts its forward."""
-        self.batches += 1
         self._epoch += 1
         self._running = True
         self._answering = set(sessions)
