@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.common import default_out, load_questions, machine_info, summary, write_results
-from bench.verify_width import alternate_verifications
+from bench.verify_width import MAX_DRAFTS, alternate_verifications
 from specpool.router.loop import FixedChooser, speculative_generate
 from specpool.services.config import settings_from_env
 from specpool.target.models import ModelConfig, chat_prompt_ids, load_causal_lm, stop_token_ids
@@ -57,7 +58,7 @@ def render(results: dict) -> str:
     step = {s: results["rows"][0][s]["median"] for s in SYSTEMS}
     for row in results["rows"]:
         p, u, r = row["P"], row["U"], row["ratio"]
-        lines.append(f"| {row['drafts']} | {row['width']} | {row['width_U']} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
+        lines.append(f"| {row['drafts']} | {row['width']} | {row.get('width_U', row['width'])} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
                      f"{1000 * u['median']:.1f} | {u['median'] / step['U']:.2f} | "
                      f"{r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}] |")
     lines += ["", f"Outcomes (accepted count and tokens) of P and U differed in {results['mismatches']} verification(s).", ""]
@@ -72,54 +73,73 @@ def render(results: dict) -> str:
 
 
 def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int) -> dict:
-    """Greedy target-only decoding of each context by P and U, alternating which goes first."""
-    stop = stop_token_ids(verifiers["P"].model, verifiers["P"].tokenizer)
+    """Greedy target-only decoding of each context by both systems (``verifiers``, by name: P and
+    U here), alternating which goes first. Ratios are the first system's tokens/s over the second's."""
+    a, b = verifiers
+    stop = stop_token_ids(verifiers[a].model, verifiers[a].tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, stop_token_ids=stop)
     rows = []
     for i, context in enumerate(tqdm(contexts, desc="target-only decoding", unit="prompt")):
         got = {}
-        for system in ("PU" if i % 2 == 0 else "UP"):
+        for system in ((a, b) if i % 2 == 0 else (b, a)):
             result = speculative_generate(context, session_id=f"decode-{i}", drafters={}, chooser=FixedChooser(None),
                                           verifier=verifiers[system], params=params, k=0)
             verifiers[system].release(f"decode-{i}")
             got[system] = result
-        rows.append({"P_tokens_per_s": got["P"].tokens_per_s, "U_tokens_per_s": got["U"].tokens_per_s,
-                     "new_tokens": len(got["P"].token_ids), "identical": got["P"].token_ids == got["U"].token_ids})
-    ratios = [row["P_tokens_per_s"] / row["U_tokens_per_s"] for row in rows]
+        rows.append({f"{a}_tokens_per_s": got[a].tokens_per_s, f"{b}_tokens_per_s": got[b].tokens_per_s,
+                     "new_tokens": len(got[a].token_ids), "identical": got[a].token_ids == got[b].token_ids})
+    ratios = [row[f"{a}_tokens_per_s"] / row[f"{b}_tokens_per_s"] for row in rows]
     return {"tokens": tokens, "rows": rows, "ratio": summary(ratios), "identical": sum(row["identical"] for row in rows)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_linear", description=__doc__.split("\n\n")[0])
+def parse_pair_args(prog: str, description: str, name: str, reps: int, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of this benchmark and its siblings: prompts, repetitions, decode tokens, --out."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--prompts", default="../shared/data/prompts/dev.jsonl", help="Spec-Bench question file")
-    parser.add_argument("--reps", type=int, default=20, help="repetitions per draft count (default 20)")
+    parser.add_argument("--reps", type=int, default=reps, help=f"repetitions per draft count (default {reps})")
     parser.add_argument("--decode-tokens", type=int, default=48, help="new tokens of the target-only decoding part (default 48)")
-    parser.add_argument("--out", default=default_out("cpu-linear"), help=f"output folder (default ./{default_out('cpu-linear')})")
+    parser.add_argument("--out", default=default_out(name), help=f"output folder (default ./{default_out(name)})")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
     if args.decode_tokens < 1:
         parser.error(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_pair_args("python -m bench.cpu_linear", __doc__.split("\n\n")[0], "cpu-linear", 20, argv)
     home = settings_from_env().home
     verifiers = {}
     for system, mode in SYSTEMS.items():
         model, tokenizer = load_causal_lm(ModelConfig(cpu_linear=mode), home)
         verifiers[system] = TargetVerifier(model, tokenizer)
+    return compare_verifiers("python -m bench.cpu_linear", argv, args, verifiers, "packed vs plain", render)
+
+
+def compare_verifiers(prog: str, argv: list[str] | None, args: argparse.Namespace, verifiers: dict, desc: str,
+                      render: Callable[[dict], str], draft_counts: Sequence[int] = range(MAX_DRAFTS + 1)) -> int:
+    """The measurement of this benchmark and of its siblings (``bench.grouped_attention``): two
+    systems (``verifiers``, by name) verify the same requests per draft count, alternating, then
+    decode target-only; writes results.json and ``render``'s report.md to ``args.out``."""
+    a, b = verifiers
+    tokenizer = verifiers[a].tokenizer
     contexts = [chat_prompt_ids(tokenizer, q.prompt) for q in load_questions(Path(args.prompts), 1)]
-    per_draft_count, mismatches = alternate_verifications(verifiers, contexts, args.reps, "packed vs plain")
+    per_draft_count, mismatches = alternate_verifications(verifiers, contexts, args.reps, desc, draft_counts)
     rows = []
-    for drafts_n, times in enumerate(per_draft_count):
-        ratios = [p / u for p, u in zip(times["P"], times["U"])]
-        rows.append({"drafts": drafts_n, "width": forward_width(drafts_n + 1, verifiers["P"].forward_widths),
-                     "width_U": forward_width(drafts_n + 1, verifiers["U"].forward_widths),
-                     "P": summary(times["P"]), "U": summary(times["U"]), "ratio": summary(ratios),
-                     "P_all": times["P"], "U_all": times["U"]})
+    for drafts_n, times in zip(draft_counts, per_draft_count):
+        ratios = [x / y for x, y in zip(times[a], times[b])]
+        row = {"drafts": drafts_n, "width": forward_width(drafts_n + 1, verifiers[a].forward_widths)}
+        if verifiers[b].forward_widths != verifiers[a].forward_widths:
+            row[f"width_{b}"] = forward_width(drafts_n + 1, verifiers[b].forward_widths)
+        rows.append({**row, a: summary(times[a]), b: summary(times[b]), "ratio": summary(ratios),
+                     f"{a}_all": times[a], f"{b}_all": times[b]})
     decode = target_only_decoding(verifiers, contexts, args.decode_tokens)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "command": "python -m bench.cpu_linear " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": f"{prog} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "target": "smollm2-135m-instruct", "machine": machine_info("cpu"), "reps": args.reps,
         "prompts": len(contexts), "context_tokens": [min(map(len, contexts)), max(map(len, contexts))],
         "rows": rows, "mismatches": mismatches, "decode": decode,
@@ -128,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(render(results))
     print(render(results))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

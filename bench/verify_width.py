@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -64,32 +65,35 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def alternate_verifications(verifiers: dict, contexts: list[list[int]], reps: int, desc: str) -> tuple[list[dict], int]:
-    """Systems P and U (``verifiers``) verify the same requests, alternating P U / U P per
-    repetition and cycling over ``contexts``, for every draft count d = 0..MAX_DRAFTS, the first
-    draft wrong so both roll back to the same cache. Returns, per d, each system's seconds
-    (repetition 0 is a warm-up, not recorded), and how many verifications' outcomes differed."""
+def alternate_verifications(verifiers: dict, contexts: list[list[int]], reps: int, desc: str,
+                            draft_counts: Sequence[int] = range(MAX_DRAFTS + 1)) -> tuple[list[dict], int]:
+    """Two systems (``verifiers``, by name: P and U here) verify the same requests, alternating
+    their order per repetition and cycling over ``contexts``, for every draft count d in
+    ``draft_counts``, the first draft wrong so both roll back to the same cache. Returns, per d,
+    each system's seconds (repetition 0 is a warm-up, not recorded), and how many verifications'
+    outcomes differed."""
     params = SamplingParams(max_new_tokens=64)
-    vocab = int(verifiers["P"].vocab_size)
+    a, b = verifiers
+    vocab = int(verifiers[a].vocab_size)
     first = {}  # each session's first token, so that its first draft can be made wrong; warms caches
     for i, context in enumerate(contexts):
         for verifier in verifiers.values():
             first[i] = verifier.verify(VerifyRequest(f"p{i}", context, [], [], params)).tokens[0]
     per_draft_count, mismatches = [], 0
-    progress = tqdm(total=(MAX_DRAFTS + 1) * (reps + 1), desc=desc, unit="rep")
-    for drafts_n in range(MAX_DRAFTS + 1):
-        times = {"P": [], "U": []}
+    progress = tqdm(total=len(draft_counts) * (reps + 1), desc=desc, unit="rep")
+    for drafts_n in draft_counts:
+        times = {a: [], b: []}
         for rep in range(reps + 1):
             i = rep % len(contexts)
             drafts = [(first[i] + 1 + j) % vocab for j in range(drafts_n)]
             request = VerifyRequest(f"p{i}", contexts[i], drafts, [SparseDist.one_hot(t) for t in drafts], params)
             got = {}
-            for system in ("PU" if rep % 2 == 0 else "UP"):
+            for system in ((a, b) if rep % 2 == 0 else (b, a)):
                 started = time.perf_counter()
                 got[system] = verifiers[system].verify(request)
                 if rep:
                     times[system].append(time.perf_counter() - started)
-            mismatches += (got["P"].accepted, got["P"].tokens) != (got["U"].accepted, got["U"].tokens)
+            mismatches += (got[a].accepted, got[a].tokens) != (got[b].accepted, got[b].tokens)
             progress.update(1)
         per_draft_count.append(times)
     progress.close()

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specpool.target.attention import grouped_sdpa_attention, runs_sdpa
 from specpool.target.features import Features
 from specpool.target.tree import ROOT, tree_attention_mask, tree_depths
 
@@ -182,7 +182,7 @@ def supports_batched_logits(model: PreTrainedModel) -> bool:
 def _sdpa(model: PreTrainedModel) -> bool:
     # The ragged batch stands in for SDPA (``_ragged_attention``); eager or flash attention kernels
     # (and their masks) are not what it computes.
-    return model.config._attn_implementation == "sdpa"
+    return runs_sdpa(model)
 
 
 RAGGED_ATTENTION = "specpool_ragged"  # the attention implementation of ``batched_logits_and_features``
@@ -240,7 +240,7 @@ def _ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     repeated G times), which is the same attention."""
     batch: _RaggedBatch | None = kwargs.get(RAGGED_ATTENTION)
     if batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     rows, heads, _, dim = query.shape  # (B, Hq, T, D)
     out = query.new_zeros(rows, query.shape[2], heads, dim)  # (B, T, Hq, D), the layout attention returns
     layer_idx = module.layer_idx
@@ -322,6 +322,7 @@ def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[
     wanted = sorted({j for new, m in zip(news, n_lasts) for j in range(len(new) - m, len(new))})
     try:
         with _RAGGED_LOCK:
+            implementation = model.config._attn_implementation
             model.config._attn_implementation = RAGGED_ATTENTION
             try:
                 out = model(
@@ -333,7 +334,7 @@ def batched_logits_and_features(caches: Sequence[PrefixCache], inputs: Sequence[
                     **{caches[0]._kwarg: batch_cache, RAGGED_ATTENTION: ragged},
                 )
             finally:
-                model.config._attn_implementation = "sdpa"
+                model.config._attn_implementation = implementation
         if len(ragged.attended) != len(batch_cache.layers):
             raise RuntimeError(f"{type(model).__name__} did not pass attention kwargs to every layer: "
                                "its verification cannot be batched")

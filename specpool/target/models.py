@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
+from specpool.target.attention import use_grouped_sdpa
 from specpool.target.cpu_linear import pack_linears, should_pack
 
 # name -> (PyPI requirement, GGUF file inside the wheel's package folder)
@@ -169,6 +170,7 @@ def load_causal_lm(
         ) from exc
     model.to(config.device)
     model.eval()
+    use_grouped_sdpa(model)  # verify forwards read grouped key heads in place (specpool/target/attention.py)
     if pack:
         pack_linears(model)
     return model, tokenizer

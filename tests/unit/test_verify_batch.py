@@ -14,6 +14,7 @@ from specpool.drafters.hf_model import HFModelDrafter
 from specpool.core.errors import InvalidArgument
 from specpool.router.loop import FixedChooser, speculative_generate
 from specpool.target.kv_cache import PrefixCache, batched_logits, supports_batched_logits
+from specpool.target.attention import GROUPED_SDPA
 from specpool.target.models import ModelConfig, load_causal_lm
 from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams
@@ -169,7 +170,7 @@ def test_a_batched_forward_that_fails_leaves_every_cache_usable(target_lm):
             batched_logits(caches, [ids + [7, 8] for ids in inputs], [3] * 3)
     finally:
         handle.remove()
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == GROUPED_SDPA  # restored after the failed forward
     for cache, ids in zip(caches, inputs):
         assert cache.token_ids == [] and cache.cache is None
         probe = ids + [7, 8]
