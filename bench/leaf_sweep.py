@@ -29,6 +29,11 @@ SWEEP = {
     "alt5p03r2": dict(alternatives=5, alt_min_prob=0.03, alt_per_depth=2),
     "alt3p05r3": dict(alternatives=3, alt_min_prob=0.05, alt_per_depth=3),
     "alt5p05r3": dict(alternatives=5, alt_min_prob=0.05, alt_per_depth=3),
+    # The shipped leaves (alt3p05r3) with a lower confidence stop (c02: 0.2, c0: never), or int8 kernels.
+    "altc02": dict(alternatives=3, alt_min_prob=0.05, alt_per_depth=3, confidence_threshold=0.2),
+    "altc01": dict(alternatives=3, alt_min_prob=0.05, alt_per_depth=3, confidence_threshold=0.1),
+    "altc0": dict(alternatives=3, alt_min_prob=0.05, alt_per_depth=3, confidence_threshold=0.0),
+    "altint8": dict(alternatives=3, alt_min_prob=0.05, alt_per_depth=3, precision="int8"),
     "tree6b2": dict(tree_nodes=6, tree_beam=2),
     "tree8b2": dict(tree_nodes=8, tree_beam=2),
     "tree10b3": dict(tree_nodes=10, tree_beam=3),

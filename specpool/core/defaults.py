@@ -10,10 +10,11 @@ from __future__ import annotations
 # -- models ----------------------------------------------------------------------------------------
 DEFAULT_TARGET = "smollm2-135m-instruct"  # the embedded default target (specpool.target.models fetches it)
 # `specpool generate`'s drafter when none is named, for DEFAULT_TARGET: prompt lookup, then the
-# shipped general white-box head, its chain with runner-up leaves in greedy rounds (README, "White-box
-# drafters": ahead of ngram, and of the head's plain chain, per prompt on the dev and on our own
-# held-out prompts). Other targets get FALLBACK_DRAFTER: the heads read this target's features.
-DEFAULT_DRAFTER = "lookup:eagle-alt:general"
+# shipped general white-box head, its chain with runner-up leaves in greedy rounds, drafted with int8
+# kernels on a CPU (README, "White-box drafters": ahead of ngram, of the head's plain chain, and of
+# the same leaves in float32, per prompt on the dev and on our own held-out prompts). Other targets
+# get FALLBACK_DRAFTER: the heads read this target's features.
+DEFAULT_DRAFTER = "lookup:eagle-alt-int8:general"
 FALLBACK_DRAFTER = "ngram"
 
 # -- a request -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ kind): zoo drafters (a ``ZooLM``: specpool/learning/online.py) and white-box hea
 ``EagleHead``: specpool/learning/online_heads.py). The learner loop, the embedded wiring and the
 served drafter replicas look a drafter or network up there, never by its kind's name.
 
-Prompt lookup in front of a learnable drafter (``lookup:eagle-alt:general``, the default drafter;
+Prompt lookup in front of a learnable drafter (``lookup:eagle-alt-int8:general``, the default drafter;
 ``lookup:code``) learns too: what learns is the drafter behind the lookup (``behind_lookup``),
 and a version is that drafter's new network behind a lookup of its own. The lookup itself has no
 weights. Its rounds still teach the network: a record is the context, the target's answer and

@@ -505,7 +505,7 @@ def drafter_app_name(drafter: str) -> str:
 
 # Kinds of the white-box heads (specpool/drafters/eagle.py), by name: the config is written without
 # loading a drafter.
-WHITE_BOX_KINDS = ("eagle", "eagle-tree", "eagle-alt", "eagle-int8")
+WHITE_BOX_KINDS = ("eagle", "eagle-tree", "eagle-alt", "eagle-int8", "eagle-alt-int8")
 # Whether `specpool serve` without --config has the target host the pool's white-box arms (see
 # default_serve_config); measured in bench/results/served-hosted/.
 DEFAULT_HOST_WHITE_BOX = True

@@ -70,7 +70,7 @@ def test_cli_generate_json_on_default_target() -> None:
     assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
     assert result["stats"]["new_tokens"] == len(result["token_ids"]) <= 20
     assert result["text"]
-    assert result["stats"]["policy"] == "fixed:lookup:eagle-alt:general"
+    assert result["stats"]["policy"] == "fixed:lookup:eagle-alt-int8:general"
     assert result["stats"]["rounds"] < result["stats"]["new_tokens"]  # the drafts were accepted, at times
     assert result["token_ids"] == generate("--drafter", "none")["token_ids"]
 

@@ -503,6 +503,25 @@ def test_greedy_generation_with_runner_up_leaves_equals_target_only(head, head_d
     assert engine.generate(prompt, params, f"lookup:eagle-alt:{head_dir}", k=4).token_ids == want
 
 
+def test_the_int8_runner_up_kind_drafts_leaves_with_int8_kernels_and_stays_lossless(head_dir, home, model_dirs, engine):
+    """``eagle-alt-int8:NAME`` (the default drafter's kind): ``eagle-alt``'s leaves and
+    ``eagle-int8``'s kernels (which compute in float32 where this torch has no int8 linear),
+    lossless behind lookup."""
+    context = DrafterContext(home, target=str(model_dirs.target))
+    drafter = create_drafter(f"eagle-alt-int8:{head_dir}", context)
+    assert (drafter.alternatives, drafter.alt_per_depth, drafter.alt_min_prob) == (
+        DEFAULT_ALTERNATIVES, DEFAULT_ALT_PER_DEPTH, DEFAULT_ALT_MIN_PROB)
+    assert drafter.head.draft_precision == "int8"
+    assert create_drafter(f"lookup:eagle-alt-int8:{head_dir}", context).tree_nodes > 0
+    with pytest.raises(InvalidArgument, match="eagle-alt-int8 needs a head"):
+        create_drafter("eagle-alt-int8:", context)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+    for text in ("the cat sat on the mat the cat sat", "a dog ran"):
+        prompt = engine.encode_prompt(text)
+        want = engine.generate(prompt, params, None).token_ids
+        assert engine.generate(prompt, params, f"lookup:eagle-alt-int8:{head_dir}", k=4).token_ids == want
+
+
 def test_a_learned_version_of_a_runner_up_head_keeps_its_leaves(head):
     from specpool.learning.hot_swap import drafter_kind
 
@@ -522,4 +541,5 @@ def test_the_leaf_sweeps_kinds_draft_with_their_settings(head_dir, home, model_d
         drafter = create_drafter(f"lookup:eagle-{suffix}:{head_dir}", context).inner
         assert drafter.tree_nodes > 0
         for option, value in options.items():
-            assert getattr(drafter, option) == value, (suffix, option)
+            got = drafter.head.draft_precision if option == "precision" else getattr(drafter, option)
+            assert got == value, (suffix, option)

@@ -684,7 +684,7 @@ def test_the_shipped_serve_config_is_a_valid_plan_with_feedback_and_the_store():
     # The pool `specpool serve` deploys on one machine, with its default policy.
     assert list(drafters) == default_pool(target) and router.policy == default_policy(False, target)
     learned = set(default_learned(target))  # what the learner (k8s/learner.yaml: no --drafters) trains
-    assert DEFAULT_DRAFTER == "lookup:eagle-alt:general" and DEFAULT_DRAFTER in learned
+    assert DEFAULT_DRAFTER == "lookup:eagle-alt-int8:general" and DEFAULT_DRAFTER in learned
     for name, args in drafters.items():
         expected = MODEL_STORE if name in learned else None  # only what learns reads versions (others would warn)
         assert args.model_store == expected, f"drafter {name}: model_store {args.model_store!r}"

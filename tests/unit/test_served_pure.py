@@ -854,7 +854,7 @@ def test_serve_without_pool_serves_the_default_pool(cli):
     assert apps["target"]["args"].get("hosted_drafters", []) == hosted
     assert [apps[drafter_app_name(name)]["args"]["name"] for name in pool if name not in hosted] == [n for n in pool if n not in hosted]
     assert "ngram" in pool and "ngram" not in hosted
-    assert pool[0] == DEFAULT_DRAFTER == "lookup:eagle-alt:general"
+    assert pool[0] == DEFAULT_DRAFTER == "lookup:eagle-alt-int8:general"
     # A request that names no policy gets the fastest measured configuration; the pool is there for
     # a request that names one. Over a pool given on the command line: the bandit.
     assert apps["router"]["args"]["policy"] == f"fixed:{DEFAULT_DRAFTER}"

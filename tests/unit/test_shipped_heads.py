@@ -59,14 +59,14 @@ def test_whole_shipped_zoo_fits_its_budget() -> None:
 
 
 def test_the_default_drafter_is_the_general_head_behind_lookup_on_its_own_target_only() -> None:
-    """`specpool generate` without --drafter: lookup:eagle-alt:general (the general head's chain
-    with runner-up leaves) for the target the heads read, ngram for any other (whose features a head
+    """`specpool generate` without --drafter: lookup:eagle-alt-int8:general (the general head's chain
+    with runner-up leaves, int8 kernels on a CPU) for the target the heads read, ngram for any other (whose features a head
     cannot read), both drafters the registry knows."""
     from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, FALLBACK_DRAFTER
     from specpool.drafters.registry import known_spec
     from specpool.services.engine import default_drafter
 
-    assert default_drafter(DEFAULT_TARGET) == DEFAULT_DRAFTER == "lookup:eagle-alt:general"
+    assert default_drafter(DEFAULT_TARGET) == DEFAULT_DRAFTER == "lookup:eagle-alt-int8:general"
     assert default_drafter("/models/some-other-target") == FALLBACK_DRAFTER == "ngram"
     assert known_spec(DEFAULT_DRAFTER) and known_spec(FALLBACK_DRAFTER)
     assert json.loads((eagle.SHIPPED_DIR / "general" / "config.json").read_text())["target"] == DEFAULT_TARGET
@@ -74,7 +74,7 @@ def test_the_default_drafter_is_the_general_head_behind_lookup_on_its_own_target
 
 def test_the_default_pool_is_every_shipped_head_behind_lookup_and_ngram_on_its_own_target_only() -> None:
     """What a policy chooses among without --pool: for the heads' target, the general head behind
-    lookup first, then each other shipped head behind lookup (each with runner-up leaves), then ngram; any other target gets
+    lookup first, then each other shipped head behind lookup (each with runner-up leaves and int8 kernels), then ngram; any other target gets
     ngram and the zoo (a head would be refused there). Every arm is a spec the registry knows."""
     from specpool.core.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
     from specpool.drafters.registry import DrafterContext, known_spec
@@ -84,7 +84,7 @@ def test_the_default_pool_is_every_shipped_head_behind_lookup_and_ngram_on_its_o
     pool = default_pool(DEFAULT_TARGET)
     heads = eagle.shipped_heads()
     assert pool[0] == DEFAULT_DRAFTER and pool[-1] == "ngram"
-    assert sorted(pool[1:-1]) == sorted(f"lookup:eagle-alt:{name}" for name in heads if name != "general")
+    assert sorted(pool[1:-1]) == sorted(f"lookup:eagle-alt-int8:{name}" for name in heads if name != "general")
     assert len(pool) == len(set(pool)) == len(heads) + 1
     assert all(known_spec(spec) for spec in pool)
     assert default_pool() == pool  # the served default config serves DEFAULT_TARGET
