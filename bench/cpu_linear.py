@@ -37,14 +37,21 @@ from specpool.target.verifier import TargetVerifier, forward_width
 SYSTEMS = {"P": "packed", "U": "plain"}
 
 
-def render(results: dict) -> str:
+def render_pair(results: dict, title: str, description: str, digits: int = 2) -> str:
+    """The report of this benchmark and its siblings: ``description`` (what the two systems are,
+    before the shared words on the method), one row per draft count with each system's time and
+    its own decode steps, the mismatch count and the target-only decoding line. Ratios to
+    ``digits`` decimals; a second width column where the systems pad to different widths."""
     m = results["machine"]
+    rows = results["rows"]
+    a, b = (key for key in rows[0] if key not in ("drafts", "width", "ratio") and not key.startswith("width_")
+            and not key.endswith("_all"))
+    two_widths = any(f"width_{b}" in row for row in rows)
+    widths = f"forward width {a} | forward width {b}" if two_widths else "forward width"
     lines = [
-        "# Packed vs plain linear layers on the CPU",
+        f"# {title}",
         "",
-        f"`TargetVerifier.verify` on two copies of {results['target']} (float32): P = oneDNN-packed linears "
-        "(`cpu_linear=packed`, the default on a CPU), U = plain `nn.Linear`; both with the verifier's default "
-        f"CPU forward widths; greedy, the first draft wrong; alternating P U / U P, {results['reps']} repetitions "
+        f"{description}; greedy, the first draft wrong; alternating {a} {b} / {b} {a}, {results['reps']} repetitions "
         f"per row (+1 warm-up) over {results['prompts']} prompts ({results['context_tokens'][0]}-"
         f"{results['context_tokens'][1]} context tokens). Medians [p25, p75]. *steps* = the row's median over "
         "the same system's median decode step (drafts = 0).",
@@ -52,24 +59,32 @@ def render(results: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"transformers {m['transformers']}.",
         "",
-        "| drafts | forward width P | forward width U | P ms | P steps | U ms | U steps | P / U per repetition |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| drafts | {widths} | {a} ms | {a} steps | {b} ms | {b} steps | {a} / {b} per repetition |",
+        "|---:|" + "---:|" * (7 if two_widths else 6),
     ]
-    step = {s: results["rows"][0][s]["median"] for s in SYSTEMS}
-    for row in results["rows"]:
-        p, u, r = row["P"], row["U"], row["ratio"]
-        lines.append(f"| {row['drafts']} | {row['width']} | {row.get('width_U', row['width'])} | {1000 * p['median']:.1f} | {p['median'] / step['P']:.2f} | "
-                     f"{1000 * u['median']:.1f} | {u['median'] / step['U']:.2f} | "
-                     f"{r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}] |")
-    lines += ["", f"Outcomes (accepted count and tokens) of P and U differed in {results['mismatches']} verification(s).", ""]
+    step = {s: rows[0][s]["median"] for s in (a, b)}
+    for row in rows:
+        x, y, r = row[a], row[b], row["ratio"]
+        width = f"{row['width']} | {row.get(f'width_{b}', row['width'])}" if two_widths else f"{row['width']}"
+        lines.append(f"| {row['drafts']} | {width} | {1000 * x['median']:.1f} | {x['median'] / step[a]:.2f} | "
+                     f"{1000 * y['median']:.1f} | {y['median'] / step[b]:.2f} | "
+                     f"{r['median']:.{digits}f} [{r['p25']:.{digits}f}, {r['p75']:.{digits}f}] |")
+    lines += ["", f"Outcomes (accepted count and tokens) of {a} and {b} differed in {results['mismatches']} verification(s).", ""]
     decode = results["decode"]
     r = decode["ratio"]
     lines += [
         f"Target-only greedy decoding, {decode['tokens']} new tokens per prompt, {len(decode['rows'])} prompts: "
-        f"tokens/s P / U per prompt {r['median']:.2f} [{r['p25']:.2f}, {r['p75']:.2f}]; "
+        f"tokens/s {a} / {b} per prompt {r['median']:.{digits}f} [{r['p25']:.{digits}f}, {r['p75']:.{digits}f}]; "
         f"outputs identical on {decode['identical']} of {len(decode['rows'])} prompts.", "",
     ]
     return "\n".join(lines)
+
+
+def render(results: dict) -> str:
+    return render_pair(results, "Packed vs plain linear layers on the CPU",
+                       f"`TargetVerifier.verify` on two copies of {results['target']} (float32): P = oneDNN-packed linears "
+                       "(`cpu_linear=packed`, the default on a CPU), U = plain `nn.Linear`; both with the verifier's default "
+                       "CPU forward widths")
 
 
 def target_only_decoding(verifiers: dict, contexts: list[list[int]], tokens: int) -> dict:
@@ -148,6 +163,7 @@ def compare_verifiers(prog: str, argv: list[str] | None, args: argparse.Namespac
     (out / "report.md").write_text(render(results))
     print(render(results))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

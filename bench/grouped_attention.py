@@ -20,7 +20,7 @@ Writes results.json and report.md to --out.
 
 from __future__ import annotations
 
-from bench.cpu_linear import compare_verifiers, parse_pair_args
+from bench.cpu_linear import compare_verifiers, parse_pair_args, render_pair
 from specpool.services.config import settings_from_env
 from specpool.target.attention import GROUPED_SDPA
 from specpool.target.models import ModelConfig, load_causal_lm
@@ -30,39 +30,10 @@ DRAFT_COUNTS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
 
 
 def render(results: dict) -> str:
-    m = results["machine"]
-    lines = [
-        "# Grouped-query attention in place vs transformers' SDPA",
-        "",
-        f"`TargetVerifier.verify` on two copies of {results['target']} (float32, oneDNN-packed linears): "
-        "G = the grouped implementation (`specpool/target/attention.py`, the default), S = transformers' SDPA "
-        "(copies the 3 key heads to 9 for every masked forward); the verifier's CPU forward widths; greedy, the "
-        f"first draft wrong; alternating G S / S G, {results['reps']} repetitions per row (+1 warm-up) over "
-        f"{results['prompts']} prompts ({results['context_tokens'][0]}-{results['context_tokens'][1]} context "
-        "tokens). Medians [p25, p75]. *steps* = the row's median over the same system's median decode step "
-        "(drafts = 0).",
-        "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-        f"transformers {m['transformers']}.",
-        "",
-        "| drafts | forward width | G ms | G steps | S ms | S steps | G / S per repetition |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    step = {s: results["rows"][0][s]["median"] for s in ("G", "S")}
-    for row in results["rows"]:
-        g, s, r = row["G"], row["S"], row["ratio"]
-        lines.append(f"| {row['drafts']} | {row['width']} | {1000 * g['median']:.1f} | {g['median'] / step['G']:.2f} | "
-                     f"{1000 * s['median']:.1f} | {s['median'] / step['S']:.2f} | "
-                     f"{r['median']:.3f} [{r['p25']:.3f}, {r['p75']:.3f}] |")
-    lines += ["", f"Outcomes (accepted count and tokens) of G and S differed in {results['mismatches']} verification(s).", ""]
-    decode = results["decode"]
-    r = decode["ratio"]
-    lines += [
-        f"Target-only greedy decoding, {decode['tokens']} new tokens per prompt, {len(decode['rows'])} prompts: "
-        f"tokens/s G / S per prompt {r['median']:.3f} [{r['p25']:.3f}, {r['p75']:.3f}]; "
-        f"outputs identical on {decode['identical']} of {len(decode['rows'])} prompts.", "",
-    ]
-    return "\n".join(lines)
+    return render_pair(results, "Grouped-query attention in place vs transformers' SDPA",
+                       f"`TargetVerifier.verify` on two copies of {results['target']} (float32, oneDNN-packed linears): "
+                       "G = the grouped implementation (`specpool/target/attention.py`, the default), S = transformers' SDPA "
+                       "(copies the 3 key heads to 9 for every masked forward); the verifier's CPU forward widths", digits=3)
 
 
 def main(argv: list[str] | None = None) -> int:

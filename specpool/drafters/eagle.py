@@ -471,16 +471,12 @@ class EagleDrafter:
 @register_drafter(HEAD_KIND)
 def _make_eagle(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
     """``eagle:NAME`` (a shipped head) or ``eagle:PATH`` (a trained folder)."""
-    if not argument:
-        raise InvalidArgument(f"eagle needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context)
 
 
 @register_drafter(TREE_KIND)
 def _make_eagle_tree(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
     """``eagle-tree:NAME``: the head of ``eagle:NAME`` drafting trees in greedy rounds (chains otherwise)."""
-    if not argument:
-        raise InvalidArgument(f"eagle-tree needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context, tree_nodes=DEFAULT_TREE_NODES)
 
 
@@ -488,8 +484,6 @@ def _make_eagle_tree(name: str, argument: str, context: DrafterContext) -> Eagle
 def _make_eagle_alt(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
     """``eagle-alt:NAME``: the head of ``eagle:NAME`` drafting its chain plus runner-up leaves in
     greedy rounds (``EagleDrafter.alternatives``; chains otherwise)."""
-    if not argument:
-        raise InvalidArgument(f"eagle-alt needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context, alternatives=DEFAULT_ALTERNATIVES)
 
 
@@ -497,8 +491,6 @@ def _make_eagle_alt(name: str, argument: str, context: DrafterContext) -> EagleD
 def _make_eagle_int8(name: str, argument: str, context: DrafterContext) -> EagleDrafter:
     """``eagle-int8:NAME``: the head of ``eagle:NAME`` drafting with int8 kernels for its block and
     output head on a CPU (float32 where this torch has no x86 int8 linear, and on a GPU)."""
-    if not argument:
-        raise InvalidArgument(f"eagle-int8 needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context, precision="int8")
 
 
@@ -507,13 +499,15 @@ def _make_eagle_alt_int8(name: str, argument: str, context: DrafterContext) -> E
     """``eagle-alt-int8:NAME``: ``eagle-alt:NAME`` drafting with int8 kernels on a CPU. Side by side
     with ``eagle-alt`` behind prompt lookup (bench/results/white-box-int8-leaves/) it ran 1.03-1.04x
     its tokens/s per prompt, with the same tokens per round within 0.02."""
-    if not argument:
-        raise InvalidArgument(f"eagle-alt-int8 needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     return _head_drafter(name, argument, context, precision="int8", alternatives=DEFAULT_ALTERNATIVES)
 
 
 def _head_drafter(name: str, argument: str, context: DrafterContext, precision: str = "float32",
                   **options) -> EagleDrafter:
+    """The head that ``argument`` names, drafting with ``options``; ``name`` is the spec (KIND:ARGUMENT)."""
+    if not argument:
+        kind = name.partition(":")[0]
+        raise InvalidArgument(f"{kind} needs a head name or folder; shipped: {', '.join(shipped_heads()) or 'none'}")
     head, metadata = load_eagle_head(head_folder(argument), context.home, context.target, context.device)
     if precision != head.draft_precision:  # a loaded head drafts in float32
         head.set_draft_precision(precision)
