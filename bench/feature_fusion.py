@@ -53,9 +53,11 @@ def pick_prompts(data_root: Path, train: int, heldout: int, seed: int) -> tuple[
 
 
 @torch.inference_mode()
-def answer(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int, stop: int) -> dict[int, list[int]]:
-    """The target's greedy answers (ids, the stop token included when reached), batched."""
-    encoded = {p: encode_chat(tokenizer, p, MAX_PROMPT_TOKENS) for p in prompts}
+def answer(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int, stop: int,
+           max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> dict[int, list[int]]:
+    """The target's greedy answers (ids, the stop token included when reached), batched; prompts
+    cut from the left to ``max_prompt_tokens``."""
+    encoded = {p: encode_chat(tokenizer, p, max_prompt_tokens) for p in prompts}
     order = sorted(prompts, key=lambda p: len(encoded[p]))
     out = {}
     for first in tqdm(range(0, len(order), batch), desc="target answers", unit="batch"):
@@ -76,13 +78,13 @@ def answer(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int
 
 @torch.inference_mode()
 def features_of(model, tokenizer, prompts: list[str], answers: dict[int, list[int]], layers: tuple[int, ...],
-                context: int, top_k: int) -> list[FeatureSequence]:
+                context: int, top_k: int, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[FeatureSequence]:
     """One teacher-forced forward per prompt: rows [final ; layer_1 ; ...] (float16) from
     ``context`` prompt positions before the answer to the second-to-last position."""
     lm_head = model.get_output_embeddings()
     out = []
     for p in tqdm(prompts, desc="teacher features", unit="prompt"):
-        prompt_ids, ans = encode_chat(tokenizer, p, MAX_PROMPT_TOKENS), answers[prompt_hash(p)]
+        prompt_ids, ans = encode_chat(tokenizer, p, max_prompt_tokens), answers[prompt_hash(p)]
         tokens = torch.tensor(prompt_ids + ans)
         P, L = len(prompt_ids), len(tokens)
         hs = model(input_ids=tokens[None], output_hidden_states=True).hidden_states
