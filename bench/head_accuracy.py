@@ -38,7 +38,7 @@ from bench.feature_fusion import answer, features_of
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.eagle import head_folder, load_eagle_head, shipped_heads
 from specpool.drafters.eagle_model import EagleHead
-from specpool.learning.eagle_train import FeatureSequence, heldout_acceptance
+from specpool.learning.eagle_train import FeatureSequence, acceptance_counts
 from specpool.services.config import settings_from_env
 
 NEW_ID_BIAS_QUANTILE = 0.25  # a widened head's bias for ids it never trained on (see the module docstring)
@@ -85,25 +85,34 @@ def first_drafts(head: EagleHead, s: FeatureSequence, top_k: int) -> tuple[torch
     return head.vocab_ids[top].cpu(), s.tokens[first:L]
 
 
+def score(head: EagleHead, s: FeatureSequence, top_ks: Sequence[int], k: int, starts: int) -> dict:
+    """One head on one sequence, as counts (so groups of sequences add up): answer tokens scored,
+    first drafts among the top-k, tokens outside the head's vocabulary, the chain's accepted
+    drafts and rounds."""
+    guesses, truth = first_drafts(head, s, max(top_ks))
+    accepted, rounds = acceptance_counts(head, [s], k=k, starts=starts)
+    return {"tokens": len(truth), "outside": int((head.reduced_index().cpu()[truth] == 0).sum()),
+            "hits": {t: int((guesses[:, :t] == truth[:, None]).any(dim=-1).sum()) for t in top_ks},
+            "accepted": accepted, "rounds": rounds}
+
+
+def summarize(scores: Sequence[dict]) -> dict:
+    """A report row from sequences' ``score``s: top-k hit rates, the share outside the vocabulary,
+    the chain's tokens per round (1 + accepted / rounds, as ``heldout_acceptance``)."""
+    tokens = sum(sc["tokens"] for sc in scores)
+    top_ks = scores[0]["hits"] if scores else {}
+    return {
+        "tokens": tokens,
+        "top": {str(t): sum(sc["hits"][t] for sc in scores) / max(tokens, 1) for t in top_ks},
+        "outside_vocab": sum(sc["outside"] for sc in scores) / max(tokens, 1),
+        "chain_tokens_per_round": 1.0 + sum(sc["accepted"] for sc in scores) / max(sum(sc["rounds"] for sc in scores), 1),
+    }
+
+
 def measure(head: EagleHead, sequences: Sequence[FeatureSequence], top_ks: Sequence[int], k: int,
             starts: int) -> dict:
-    """One head over one category's sequences: answer tokens scored, top-k hit rates of the first
-    draft, the share of target tokens outside the head's vocabulary, chain tokens per round."""
-    hits = {t: 0 for t in top_ks}
-    outside = scored = 0
-    in_vocab = head.reduced_index().cpu()
-    for s in sequences:
-        guesses, truth = first_drafts(head, s, max(top_ks))
-        scored += len(truth)
-        outside += int((in_vocab[truth] == 0).sum())
-        for t in top_ks:
-            hits[t] += int((guesses[:, :t] == truth[:, None]).any(dim=-1).sum())
-    return {
-        "tokens": scored,
-        "top": {str(t): hits[t] / max(scored, 1) for t in top_ks},
-        "outside_vocab": outside / max(scored, 1),
-        "chain_tokens_per_round": heldout_acceptance(head, list(sequences), k=k, starts=starts),
-    }
+    """One head over one group of sequences: ``summarize`` of their ``score``s."""
+    return summarize([score(head, s, top_ks, k, starts) for s in sequences])
 
 
 def render(results: dict) -> str:
@@ -132,13 +141,14 @@ def render(results: dict) -> str:
                      + f" | {row['outside_vocab']:.1%} | {row['chain_tokens_per_round']:.2f} |")
     best = best_heads(results["rows"])
     if best:
-        lines += ["", "Best head by top-1 per category: "
+        lines += ["", f"Best head by top-{min(top_ks)} per category: "
                   + ", ".join(f"{c} `{h}` ({v:.3f})" for c, (h, v) in best.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
 def best_heads(rows: Sequence[dict]) -> dict[str, tuple[str, float]]:
-    """category -> (head, top-1) of the head with the highest top-1 there (categories in row order)."""
+    """category -> (head, rate) of the head with the highest top-k rate there, k the smallest reported
+    (top-1 by default; categories in row order)."""
     best: dict[str, tuple[str, float]] = {}
     for row in rows:
         top1 = row["top"][min(row["top"], key=int)]
@@ -195,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     categories = list(dict.fromkeys(q.category for q in questions))
     rows = []
     for name, head in tqdm(systems.items(), desc="heads", unit="head"):
+        scores = [score(head, s, top_ks, args.k, starts=args.max_new_tokens + 1) for s in sequences]  # once a sequence
         for category in [*categories, "all"]:
-            chosen = [s for s, q in zip(sequences, questions) if category in ("all", q.category)]
-            rows.append({"category": category, "head": name,
-                         **measure(head, chosen, top_ks, args.k, starts=args.max_new_tokens + 1)})
+            chosen = [sc for sc, q in zip(scores, questions) if category in ("all", q.category)]
+            rows.append({"category": category, "head": name, **summarize(chosen)})
     results = {
         "command": "python -m bench.head_accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_info("cpu"), "target": args.target, "prompts": str(args.prompts),

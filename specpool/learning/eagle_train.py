@@ -269,12 +269,20 @@ def head_loss(head: EagleHead, batch: dict[str, torch.Tensor], recipe: str, unro
     return total / steps, stats
 
 
-@torch.inference_mode()
 def heldout_acceptance(head: EagleHead, sequences: list[FeatureSequence], k: int = HELDOUT_K,
                        starts: int = HELDOUT_STARTS) -> float:
     """Mean tokens per round (1 + accepted drafts, greedy, k drafts, no confidence stop) when the
     head drafts from ``starts`` evenly spaced points of each held-out answer, exactly as
     ``EagleDrafter`` drafts: true features before the start, its own guesses after."""
+    accepted, rounds = acceptance_counts(head, sequences, k, starts)
+    return 1.0 + accepted / max(rounds, 1)
+
+
+@torch.inference_mode()
+def acceptance_counts(head: EagleHead, sequences: list[FeatureSequence], k: int = HELDOUT_K,
+                      starts: int = HELDOUT_STARTS) -> tuple[int, int]:
+    """(drafts accepted, rounds) of ``heldout_acceptance``'s rounds: sums, so the counts of
+    several groups of sequences add up to those of all of them."""
     was_training = head.training
     head.eval()
     accepted_total, rounds = 0, 0
@@ -307,7 +315,7 @@ def heldout_acceptance(head: EagleHead, sequences: list[FeatureSequence], k: int
             accepted_total += accepted
             rounds += 1
     head.train(was_training)
-    return 1.0 + accepted_total / max(rounds, 1)
+    return accepted_total, rounds
 
 
 def train_head_steps(head: EagleHead, sequences: list[FeatureSequence], heldout: list[FeatureSequence],
