@@ -7,6 +7,7 @@ drafts from each answer position).
 
     python -m bench.head_accuracy --prompts ../shared/data/prompts/dev.jsonl --out DIR
     python -m bench.head_accuracy --prompts bench/prompts/heldout.jsonl --heads general --widen-vocab 16384,32768
+    python -m bench.head_accuracy --prompts ../shared/data/prompts/dev.jsonl --out DIR --write-cards
 
 Why: ``specpool bench`` times heads behind prompt lookup with a confidence stop and leaves, and
 on a shared 2-core host its per-prompt ratios spread by ±10 %. These figures are deterministic
@@ -19,12 +20,16 @@ records its final hidden states; every head reads those same features, in float3
 the lowest ids it lacks (a BPE tokenizer numbers pieces in merge order, so low ids are common
 ones), with no training: the target's output rows are shared, and a new id's bias is the 25th
 percentile of the head's own. It measures what a wider vocabulary buys before anyone trains one.
+
+``--write-cards``: each shipped head's rows go into its model card, beside its held-out row (which
+is measured on prompts of its own corpora and reads higher), one table per prompts file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,9 +41,9 @@ from tqdm import tqdm
 from bench.common import default_out, load_questions, machine_info, write_results
 from bench.feature_fusion import answer, features_of
 from specpool.core.defaults import DEFAULT_TARGET
-from specpool.drafters.eagle import head_folder, load_eagle_head, shipped_heads
+from specpool.drafters.eagle import SHIPPED_DIR, head_folder, load_eagle_head, shipped_heads
 from specpool.drafters.eagle_model import EagleHead
-from specpool.learning.eagle_train import FeatureSequence, acceptance_counts
+from specpool.learning.eagle_train import FeatureSequence, acceptance_counts, head_card
 from specpool.services.config import settings_from_env
 
 NEW_ID_BIAS_QUANTILE = 0.25  # a widened head's bias for ids it never trained on (see the module docstring)
@@ -157,6 +162,46 @@ def best_heads(rows: Sequence[dict]) -> dict[str, tuple[str, float]]:
     return best
 
 
+def card_table(results: dict, head: str) -> str:
+    """``head``'s rows of a run as the Markdown its model card shows, with the command that made them."""
+    top_ks, m = results["top_k"], results["machine"]
+    lines = [f"From `{results['command']}` ({m['cpu']}, {m['cores']} cores; {results['prompts_count']} prompts, "
+             f"greedy answers of at most {results['max_new_tokens']} tokens, chain k = {results['k']}):", "",
+             "| category | answer tokens | " + " | ".join(f"top-{t}" for t in top_ks) + " | outside vocab | chain tokens / round |",
+             "|---|---:|" + "---:|" * len(top_ks) + "---:|---:|"]
+    for row in results["rows"]:
+        if row["head"] == head:
+            lines.append(f"| {row['category']} | {row['tokens']} | " + " | ".join(f"{row['top'][str(t)]:.3f}" for t in top_ks)
+                         + f" | {row['outside_vocab']:.1%} | {row['chain_tokens_per_round']:.2f} |")
+    return "\n".join(lines)
+
+
+def write_cards(results: dict, shipped_dir: Path = SHIPPED_DIR) -> list[str]:
+    """Put each shipped head's rows of this run into its model card (``config.json``'s
+    ``acceptance_rows``, keyed by the prompts file, and README.md), as ``specpool zoo eval
+    --write-cards`` does for the black-box zoo; a later run on other prompts adds its own rows
+    beside them. Heads given as paths and widened copies are left alone. Returns the heads written."""
+    written = []
+    evaluated = {row["head"] for row in results["rows"]}
+    for name in sorted(evaluated):
+        folder = shipped_dir / name
+        if folder.parent != shipped_dir or not (folder / "config.json").is_file():  # a path, or a widened copy
+            continue
+        metadata = json.loads((folder / "config.json").read_text())
+        metadata.setdefault("acceptance_rows", {})[results["prompts"]] = card_table(results, name)
+        metadata.pop("acceptance_row", None)  # superseded by the rows
+        _write_atomic(folder / "config.json", json.dumps(metadata, indent=2) + "\n")
+        _write_atomic(folder / "README.md", head_card(metadata))
+        written.append(name)
+    return written
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def parse_ints(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -180,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--out", default=default_out("head-accuracy"))
+    ap.add_argument("--write-cards", action="store_true",
+                    help="write each shipped head's rows into its model card (then rerun `specpool zoo manifest`)")
     args = ap.parse_args(argv)
     top_ks, sizes = parse_ints(args.top_k, "--top-k"), parse_ints(args.widen_vocab, "--widen-vocab")
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
@@ -219,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     (Path(args.out) / "report.md").write_text(render(results))
     print(render(results))
     print(f"wrote {args.out}/results.json, {args.out}/report.md")
+    if args.write_cards:
+        print(f"model cards updated: {', '.join(write_cards(results)) or 'none'} "
+              "(run `specpool zoo manifest` to record their new hashes)")
     return 0
 
 

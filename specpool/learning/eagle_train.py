@@ -418,10 +418,16 @@ def head_card(metadata: dict) -> str:
         "",
         "## Acceptance",
         "",
-        metadata.get("acceptance_row") or ("Held-out acceptance above (prompts of its own corpora); on other prompts, "
-                                             "measure it: `specpool bench --drafters eagle:PATH,lookup:eagle:PATH`."),
-        "",
     ]
+    rows = metadata.get("acceptance_rows") or {}  # prompts file -> its table (python -m bench.head_accuracy --write-cards)
+    if rows:
+        lines += ["The held-out row above is on prompts of the head's own corpora. On benchmark prompts, with the "
+                  "target's true features (no prompt lookup, no leaves, no timing):", ""]
+        for prompts, table in rows.items():
+            lines += [f"### `{prompts}`", "", table, ""]
+    else:
+        lines += [metadata.get("acceptance_row") or ("Held-out acceptance above (prompts of its own corpora); on other "
+                  "prompts, measure it: `python -m bench.head_accuracy --prompts P --heads PATH`."), ""]
     return "\n".join(lines)
 
 

@@ -5,13 +5,14 @@ count what they say, and a widened head scores its own ids exactly as before."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from bench.feature_fusion import answer, features_of
-from bench.head_accuracy import best_heads, first_drafts, measure, render, widened
-from specpool.drafters.eagle import EagleDrafter
+from bench.head_accuracy import best_heads, first_drafts, measure, render, widened, write_cards
+from specpool.drafters.eagle import SHIPPED_DIR, EagleDrafter
 from specpool.drafters.eagle_model import EagleHead
 from specpool.target.features import Features
 from specpool.target.sampling import SamplingParams
@@ -106,3 +107,35 @@ def test_the_report_names_the_best_head_of_each_category():
                    "prompts": "p.jsonl", "limit_per_category": 2, "command": "cmd", "k": 5, "rows": rows})
     assert "| code | `code` | 10 | 0.600 | 0.700 | 5.0% | 1.50 |" in text
     assert "code `code` (0.600), chat `general` (0.300)" in text
+
+
+def test_write_cards_puts_each_shipped_heads_rows_in_its_card_one_table_per_prompts_file(tmp_path):
+    shipped = tmp_path / "heads"
+    for name in ("general", "code"):  # two shipped cards without their rows (the weights are not read)
+        (shipped / name).mkdir(parents=True)
+        card = json.loads((SHIPPED_DIR / name / "config.json").read_text())
+        card.pop("acceptance_rows", None)
+        (shipped / name / "config.json").write_text(json.dumps(card))
+    machine = {"cpu": "cpu", "cores": 2, "torch": "t", "transformers": "x"}
+
+    def run(prompts, top1):
+        rows = [{"category": c, "head": h, "tokens": 10, "top": {"1": top1, "2": top1 + 0.1}, "outside_vocab": 0.05,
+                 "chain_tokens_per_round": 1.5} for h in ("general", "code", "general (vocab 16384)", "/tmp/other")
+                for c in ("code", "all")]
+        return {"machine": machine, "top_k": [1, 2], "max_new_tokens": 8, "prompts_count": 4, "prompts": prompts,
+                "command": f"python -m bench.head_accuracy --prompts {prompts}", "k": 5, "rows": rows}
+
+    assert write_cards(run("dev.jsonl", 0.5), shipped) == ["code", "general"]  # paths and widened copies left alone
+    assert write_cards(run("heldout.jsonl", 0.25), shipped) == ["code", "general"]
+    card = json.loads((shipped / "general" / "config.json").read_text())
+    assert list(card["acceptance_rows"]) == ["dev.jsonl", "heldout.jsonl"]  # the second run added its rows beside the first
+    readme = (shipped / "general" / "README.md").read_text()
+    assert readme.startswith("# specpool white-box head: general")
+    assert "### `dev.jsonl`" in readme and "### `heldout.jsonl`" in readme
+    assert "| code | 10 | 0.500 | 0.600 | 5.0% | 1.50 |" in readme and "| all | 10 | 0.250 | 0.350 | 5.0% | 1.50 |" in readme
+    assert "python -m bench.head_accuracy --prompts heldout.jsonl" in readme
+    assert not list(shipped.glob("*/*.partial"))
+    original = json.loads((SHIPPED_DIR / "general" / "config.json").read_text())
+    assert card["acceptance_rows"]["dev.jsonl"] != original.get("acceptance_rows", {}).get("dev.jsonl")
+    rows_keys = ("acceptance_rows", "acceptance_row")  # the only keys write_cards may change
+    assert {k: v for k, v in card.items() if k not in rows_keys} == {k: v for k, v in original.items() if k not in rows_keys}
