@@ -205,12 +205,17 @@ class FrozenOutput:
         packing = self._packing
         # a new weight, this one trained in place, or the other precision (set while this call ran)
         if packing is None or packing.int8 != int8 or self._changed(packing, weight):
-            # The version and the sample are read before the weight is packed: a write racing the
-            # pack then leaves a sample older than the packed copy, so the next call sees the change
-            # and packs again. Read after, a sample could match a weight the copy predates.
-            version, sample = 0 if weight.is_inference() else weight._version, self._values(weight).clone()
-            packed = int8_pack(weight) if int8 else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-            packing = _Packing(weight, version, sample, packed, int8)
+            # Packed from a snapshot, which the sample describes, and trusted (``settled``) only if
+            # the weight still equals it afterwards. Packing the live weight, a write racing the
+            # pack could leave a copy of half of each weight beside a sample of one of them: a
+            # weight written A -> B -> A meanwhile, which no sample can tell from A (CI caught
+            # it). An unsettled copy serves this call, which raced a write, and the next call
+            # packs again. The version is read first, so a counted write during the pack shows.
+            version = 0 if weight.is_inference() else weight._version
+            snapshot = weight.detach().clone()
+            packed = _pack(snapshot, int8)
+            settled = torch.equal(weight.detach(), snapshot)
+            packing = _Packing(weight, version, self._values(snapshot).clone(), packed, int8, settled)  # not a view: the snapshot goes
             self._packing = packing
         kernel = int8_linear if int8 else packed_linear
         return kernel(hidden, packing.packed, None if bias is None else bias.detach(), weight.shape[0])
@@ -227,7 +232,7 @@ class FrozenOutput:
         optimiser steps and ``load_state_dict``; writes it does not count (through ``.data``, or
         a state_dict view taken under inference mode; inference tensors keep no counter at all)
         still change the sampled values: any training update or weight swap changes nearly all."""
-        if packing.source is not weight:
+        if packing.source is not weight or not packing.settled:
             return True
         if not weight.is_inference() and weight._version != packing.version:
             return True
@@ -242,6 +247,12 @@ class _Packing(NamedTuple):
     sample: torch.Tensor  # some of its values then (``FrozenOutput._changed``)
     packed: torch.Tensor  # oneDNN's packed copy, or fbgemm's int8 one
     int8: bool  # which of the two (``FrozenOutput.precision``)
+    settled: bool  # the weight equalled the packed snapshot once packing ended (``FrozenOutput.__call__``)
+
+
+def _pack(weight: torch.Tensor, int8: bool) -> torch.Tensor:
+    """``weight`` packed for fbgemm's int8 linear or oneDNN's float32 one (``FrozenOutput``)."""
+    return int8_pack(weight) if int8 else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
 class InferenceLinear(nn.Linear):
