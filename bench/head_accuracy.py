@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -43,6 +42,7 @@ from bench.feature_fusion import answer, features_of
 from specpool.core.defaults import DEFAULT_TARGET
 from specpool.drafters.eagle import SHIPPED_DIR, head_folder, load_eagle_head, shipped_heads
 from specpool.drafters.eagle_model import EagleHead
+from specpool.learning.durable import atomic_write
 from specpool.learning.eagle_train import FeatureSequence, acceptance_counts, head_card
 from specpool.services.config import settings_from_env
 
@@ -141,14 +141,18 @@ def render(results: dict) -> str:
         "|---|---|---:|" + "---:|" * len(top_ks) + "---:|---:|",
     ]
     for row in results["rows"]:
-        lines.append(f"| {row['category']} | `{row['head']}` | {row['tokens']} | "
-                     + " | ".join(f"{row['top'][str(t)]:.3f}" for t in top_ks)
-                     + f" | {row['outside_vocab']:.1%} | {row['chain_tokens_per_round']:.2f} |")
+        lines.append(f"| {row['category']} | `{row['head']}` | {row['tokens']} | {_measures(row, top_ks)} |")
     best = best_heads(results["rows"])
     if best:
         lines += ["", f"Best head by top-{min(top_ks)} per category: "
                   + ", ".join(f"{c} `{h}` ({v:.3f})" for c, (h, v) in best.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _measures(row: dict, top_ks: Sequence[int]) -> str:
+    """A row's top-k rates, vocabulary misses and chain as Markdown cells (the report's and the cards')."""
+    return (" | ".join(f"{row['top'][str(t)]:.3f}" for t in top_ks)
+            + f" | {row['outside_vocab']:.1%} | {row['chain_tokens_per_round']:.2f}")
 
 
 def best_heads(rows: Sequence[dict]) -> dict[str, tuple[str, float]]:
@@ -171,8 +175,7 @@ def card_table(results: dict, head: str) -> str:
              "|---|---:|" + "---:|" * len(top_ks) + "---:|---:|"]
     for row in results["rows"]:
         if row["head"] == head:
-            lines.append(f"| {row['category']} | {row['tokens']} | " + " | ".join(f"{row['top'][str(t)]:.3f}" for t in top_ks)
-                         + f" | {row['outside_vocab']:.1%} | {row['chain_tokens_per_round']:.2f} |")
+            lines.append(f"| {row['category']} | {row['tokens']} | {_measures(row, top_ks)} |")
     return "\n".join(lines)
 
 
@@ -190,16 +193,10 @@ def write_cards(results: dict, shipped_dir: Path = SHIPPED_DIR) -> list[str]:
         metadata = json.loads((folder / "config.json").read_text())
         metadata.setdefault("acceptance_rows", {})[results["prompts"]] = card_table(results, name)
         metadata.pop("acceptance_row", None)  # superseded by the rows
-        _write_atomic(folder / "config.json", json.dumps(metadata, indent=2) + "\n")
-        _write_atomic(folder / "README.md", head_card(metadata))
+        atomic_write(folder / "config.json", (json.dumps(metadata, indent=2) + "\n").encode())
+        atomic_write(folder / "README.md", head_card(metadata).encode())
         written.append(name)
     return written
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def parse_ints(text: str, what: str) -> list[int]:
