@@ -103,6 +103,20 @@ def test_markdown_report_has_header_table_and_mismatches():
     assert "lossless" in report.markdown_report([], clean, {"ngram": 0}, None)
 
 
+def test_a_sampled_run_reports_no_comparison_rather_than_zero_mismatches():
+    """Sampled outputs are not compared with target-only's (matches_target None): the table says
+    "–" and the report says so, instead of claiming every output equals target-only's."""
+    sampled = [dict(r, matches_target=None) for r in RECORDS]
+    rows = report.aggregate(sampled)
+    assert all((r["lossless_mismatches"] == 0) if r["system"] == report.TARGET else r["lossless_mismatches"] is None
+               for r in rows)
+    counts = report.mismatch_counts(sampled)
+    assert counts == {"ngram": None, "hf-prompt-lookup": None}
+    text = report.markdown_report([], rows, counts, None)
+    assert "lossless" not in text and "not compared token by token" in text
+    assert "| all | `ngram` |" in text and text.count(" | – |") >= len([r for r in rows if r["system"] != report.TARGET])
+
+
 def test_plot_speedup_writes_png(tmp_path):
     path = tmp_path / "speedup.png"
     report.plot_speedup(report.aggregate(RECORDS), path, "test")
