@@ -77,9 +77,14 @@ class Drafter(Protocol):
 @runtime_checkable
 class TreeDrafter(Protocol):
     """A drafter that can propose a draft tree (EAGLE-2): several continuations at once, verified
-    in one target forward (specpool/target/tree.py). The loop asks for one only in greedy rounds
-    verified in process without online-learning feedback (``speculative_generate``); a drafter
-    with ``tree_nodes`` 0 drafts chains."""
+    in one target forward (specpool/target/tree.py). The loop asks for one only in rounds without
+    online-learning feedback whose verifier verifies trees (``speculative_generate``): greedy rounds,
+    and sampled ones where the drafter says ``sampled_trees`` and the verifier
+    ``verifies_sampled_trees``; a drafter with ``tree_nodes`` 0 drafts chains.
+
+    A sampled tree's contract (``specpool.target.rejection.speculative_verify_tree``): a node's
+    children are distinct draws, in node order, without replacement from one q, which each child
+    carries as its q; a drafter that cannot keep it leaves ``sampled_trees`` unset (False)."""
 
     tree_nodes: int  # > 0: it drafts trees (at most this many nodes, for an EAGLE-2 tree); 0: chains only
 

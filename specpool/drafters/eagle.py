@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from specpool.core.errors import IncompatibleModels, InvalidArgument, ModelUnavailable
 from specpool.drafters.base import CostMeter, DraftRequest, Proposal, leading_matches
 from specpool.drafters.eagle_model import EagleConfig, EagleHead
-from specpool.drafters.hf_model import confidence_stop, proposal_dist, sample_draft
+from specpool.drafters.hf_model import LEAF_STREAM, confidence_stop, proposal_dist, sample_draft
 from specpool.drafters.registry import DrafterContext, register_drafter, register_name_resolver
 from specpool.drafters.weight_storage import unpack
 from specpool.drafters.zoo_model import KVCache
@@ -44,7 +44,7 @@ from specpool.target.features import Features, FeatureLog
 from specpool.target.kv_cache import common_prefix_length
 from specpool.target.models import resolve_model
 from specpool.target.rejection import SparseDist
-from specpool.target.sampling import SamplingParams
+from specpool.target.sampling import SamplingParams, request_generator
 from specpool.target.tree import ROOT
 from specpool.target.verifier import plan_forwards
 
@@ -196,6 +196,9 @@ class EagleDrafter:
         self.alt_per_depth = alt_per_depth
         if alternatives > 0:
             self.tree_nodes = tree_nodes or 1  # the loop asks ``propose_tree`` of a drafter with nodes
+        # Sampled rounds get trees from leaves only (``_leaf_tokens``): an EAGLE-2 tree's children are
+        # the head's likeliest tokens, not draws, which the sampled walk cannot verify exactly.
+        self.sampled_trees = alternatives > 0
         self.cost = CostMeter()
         self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
@@ -255,9 +258,9 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def _draft(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams,
-               runners_up: list[list[tuple[int, float]]] | None = None) -> Proposal:
-        """The chain. ``runners_up``, if given, gets at each of the first ``alternatives`` depths the
-        (token, probability) of the head's next ``alt_per_depth`` choices after its first (greedy only)."""
+               runners_up: list[list[int]] | None = None) -> Proposal:
+        """The chain. ``runners_up``, if given, gets the leaves of each of the first ``alternatives``
+        depths (``leaf_tokens``)."""
         n = len(context_ids)
         started = time.perf_counter()
         caught_up = self._catch_up(session_id, context_ids) if k > 0 else None
@@ -272,14 +275,38 @@ class EagleDrafter:
             tokens.append(token)
             q.append(dist)
             if runners_up is not None and i < self.alternatives:
-                probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(1 + self.alt_per_depth, logits.shape[-1]))  # best first
-                runners_up.append([(int(self.output_ids[int(j)]), float(p)) for p, j in zip(probs[1:], ids[1:])])
+                runners_up.append(self._leaf_tokens(logits, token, dist, params, n + i))
             if not more:
                 break
             step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=self.head.device)  # (1, 1)
             guess = self.head(step, guess.view(1, 1, -1), session.cache)[0, -1]  # position n-1+i
         session.crop(n - 1)  # draft positions read guessed features; the next round has the target's
         return Proposal(tokens, q, time.perf_counter() - started)
+
+    def _leaf_tokens(self, logits: torch.Tensor, token: int, dist: SparseDist, params: SamplingParams,
+                     position: int) -> list[int]:
+        """The leaves beside the chain's ``token`` at one depth, from the head's logits (V_r,) there.
+
+        Greedy: the head's next ``alt_per_depth`` choices after its first that it gives at least
+        ``alt_min_prob``, best first. Sampled: as many as q (``dist``, which ``token`` was drawn
+        from) has other tokens of at least ``alt_min_prob`` (at most ``alt_per_depth``), drawn from q
+        one after another without replacement, on a random stream of their own; the count depends on
+        q and the chain's token only, never on a leaf's draw, so each leaf is a draw from q without
+        the tokens before it, as the target's recursive rejection sampling needs
+        (``specpool.target.rejection.speculative_verify_tree``)."""
+        if params.greedy:
+            probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(1 + self.alt_per_depth, logits.shape[-1]))  # best first
+            return [int(self.output_ids[int(j)]) for p, j in zip(probs[1:], ids[1:]) if float(p) >= self.alt_min_prob]
+        left = dist.probs.clone().float()
+        left[dist.token_ids == token] = 0.0
+        count = min(self.alt_per_depth, int((left >= max(self.alt_min_prob, 1e-12)).sum()))
+        generator = request_generator(params.seed, position, LEAF_STREAM)
+        leaves = []
+        for _ in range(count):
+            j = int(torch.multinomial(left, 1, generator=generator))
+            leaves.append(int(dist.token_ids[j]))
+            left[j] = 0.0
+        return leaves
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, n: int, i: int, k: int) -> tuple[int, SparseDist, bool]:
         """Draft token i of a chain after a context of n tokens, from the head's logits (V_r,): the
@@ -291,7 +318,9 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
-        """``specpool.drafters.base.TreeDrafter``: EAGLE-2's dynamic draft tree, greedy.
+        """``specpool.drafters.base.TreeDrafter``: with ``alternatives``, the chain and its runner-up
+        leaves (``_draft_alternatives``; greedy or sampled); otherwise EAGLE-2's dynamic draft tree,
+        greedy:
 
         Each level expands the ``tree_beam`` best nodes of the level before (by path probability,
         the product of the head's probabilities along the path) into their ``tree_beam`` likeliest
@@ -306,10 +335,11 @@ class EagleDrafter:
         return proposal
 
     def _draft_tree(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
-        if not params.greedy:
-            raise InvalidArgument("a draft tree is for greedy decoding; sampled rounds draft chains (propose)")
         if self.alternatives > 0:
             return self._draft_alternatives(session_id, context_ids, k, params)
+        if not params.greedy:
+            raise InvalidArgument("an EAGLE-2 draft tree is for greedy decoding; sampled rounds draft chains (propose) "
+                                  "or runner-up leaves (eagle-alt)")
         started = time.perf_counter()
         caught_up = self._catch_up(session_id, context_ids) if k > 0 and self.tree_nodes > 0 else None
         if caught_up is None:
@@ -362,16 +392,17 @@ class EagleDrafter:
         head's next ``alt_per_depth`` choices there that has at least ``alt_min_prob``, with the chain
         node's parent. The chain comes first, so it is the tree's primary chain
         (specpool/target/tree.py) and the round's BD reward is the chain's."""
-        runners_up: list[list[tuple[int, float]]] = []
+        runners_up: list[list[int]] = []
         chain = self._draft(session_id, context_ids, k, params, runners_up)
-        tokens = list(chain.tokens)
+        tokens, q = list(chain.tokens), list(chain.q)
         parents = [ROOT] + list(range(len(tokens) - 1)) if tokens else []
-        for depth, candidates in enumerate(runners_up[: len(tokens)]):
-            for token, prob in candidates:
-                if prob >= self.alt_min_prob:
-                    tokens.append(token)
-                    parents.append(ROOT if depth == 0 else depth - 1)
-        q = [SparseDist.one_hot(t) for t in tokens]
+        for depth, leaves in enumerate(runners_up[: len(tokens)]):
+            for token in leaves:
+                tokens.append(token)
+                # Greedy: one-hot, as the chain's. Sampled: the q the chain's token and the leaves
+                # before it were drawn from, which the target's walk reduces by those tokens itself.
+                q.append(SparseDist.one_hot(token) if params.greedy else chain.q[depth])
+                parents.append(ROOT if depth == 0 else depth - 1)
         return Proposal(tokens, q, chain.forward_s, parents=tuple(parents))
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:

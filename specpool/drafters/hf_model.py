@@ -20,6 +20,7 @@ from specpool.target.rejection import SparseDist
 from specpool.target.sampling import SamplingParams, request_generator
 
 DRAFTER_STREAM = 1  # random stream id of drafter draws (the target uses 0)
+LEAF_STREAM = 2  # random stream id of the runner-up leaves a sampled tree draws (specpool/drafters/eagle.py)
 
 
 def proposal_dist(logits: torch.Tensor, params: SamplingParams, top_k: int,

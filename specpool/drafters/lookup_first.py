@@ -39,6 +39,7 @@ class LookupFirstDrafter:
         # In front of a tree drafter (``lookup:eagle-alt:code``) a round lookup does not answer is
         # the inner drafter's tree (``propose_tree``); a lookup match stays a chain.
         self.tree_nodes = inner.tree_nodes if isinstance(inner, TreeDrafter) else 0
+        self.sampled_trees = bool(getattr(inner, "sampled_trees", False)) and self.tree_nodes > 0
         self.cost = CostMeter()
         self.lookup_rounds = 0  # raw counters: rounds answered by lookup, and by the inner drafter
         self.inner_rounds = 0

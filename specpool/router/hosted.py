@@ -68,11 +68,13 @@ class HostedArm:
 
     hosted_by_target = True
 
-    def __init__(self, name: str, tokenizer_fingerprint: str | None, white_box: bool, tree_nodes: int = 0):
+    def __init__(self, name: str, tokenizer_fingerprint: str | None, white_box: bool, tree_nodes: int = 0,
+                 sampled_trees: bool = False):
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.white_box = white_box  # reads the target's features (the loop's first round is then a prefill)
         self.tree_nodes = tree_nodes
+        self.sampled_trees = sampled_trees  # its trees may be sampled (``TreeDrafter``)
         self.cost = CostMeter()  # the target's drafting time per proposed token (its forward_s)
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
@@ -89,7 +91,12 @@ def is_hosted(drafter: object) -> bool:
 def hosted_arm_of(name: str, drafter: Drafter) -> HostedArm:
     """The stand-in for ``drafter`` hosted under ``name`` (in process: tests, the embedded check)."""
     return HostedArm(name, drafter.tokenizer_fingerprint, reads_features(drafter),
-                     int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0)
+                     int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0, samples_trees(drafter))
+
+
+def samples_trees(drafter: object) -> bool:
+    """Whether ``drafter`` drafts trees in sampled rounds too (``TreeDrafter``'s contract)."""
+    return isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0 and getattr(drafter, "sampled_trees", False) is True
 
 
 class LoadGate:
@@ -170,6 +177,10 @@ class HostingVerifier:
     @property
     def verifies_trees(self) -> bool:
         return bool(getattr(self.verifier, "verifies_trees", False))
+
+    @property
+    def verifies_sampled_trees(self) -> bool:
+        return bool(getattr(self.verifier, "verifies_sampled_trees", False))
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         return self.verifier.verify(request)
@@ -258,8 +269,9 @@ class HostingVerifier:
                 continue
             if not drafting:
                 proposals[i] = Proposal([], [], source=UNDRAFTED_SOURCE)  # no arm's round (router/bandit.py)
-            elif (alone and draft.tree and request.params.greedy and isinstance(drafter, TreeDrafter)
-                    and drafter.tree_nodes > 0 and self.verifies_trees):
+            elif (alone and draft.tree and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0
+                    and (self.verifies_trees if request.params.greedy
+                         else self.verifies_sampled_trees and samples_trees(drafter))):
                 proposals[i] = self._guarded(draft.drafter, lambda: drafter.propose_tree(
                     request.session_id, request.context_ids, draft.k, request.params))
             else:

@@ -239,10 +239,12 @@ def speculative_generate(
     feed = tuple(sorted(name for name in hosted if drafters[name].white_box))  # type: ignore[attr-defined]
     if hosted and not isinstance(verifier, DraftingVerifier):
         raise FailedPrecondition(f"drafters {', '.join(sorted(hosted))} are hosted by the target, but this verifier drafts for none")
-    # Draft trees (specpool/target/tree.py): greedy rounds, a verifier that verifies them (in process,
-    # or a target deployment), and no online-learning feedback (its records describe a chain and the
-    # target's top-K of it).
-    trees = params.greedy and feedback is None and return_top_k == 0 and getattr(verifier, "verifies_trees", False)
+    # Draft trees (specpool/target/tree.py): a verifier that verifies them (in process, or a target
+    # deployment), sampled ones only where it verifies those too and the drafter draws its
+    # children (``sampled_trees``), and no online-learning feedback (its records describe a chain and
+    # the target's top-K of it).
+    trees = feedback is None and return_top_k == 0 and getattr(
+        verifier, "verifies_trees" if params.greedy else "verifies_sampled_trees", False)
     while len(generated) < params.max_new_tokens:
         if should_stop is not None and should_stop():
             finish_reason = "cancelled"
@@ -257,7 +259,7 @@ def speculative_generate(
         by_target = HostedDraft(None, feed=feed) if feed else None  # hosted heads read every round
         if name is not None and k_round > 0:
             drafter = drafters[name]
-            tree = trees and getattr(drafter, "tree_nodes", 0) > 0
+            tree = trees and getattr(drafter, "tree_nodes", 0) > 0 and (params.greedy or getattr(drafter, "sampled_trees", False))
             if name in hosted:
                 by_target = HostedDraft(name, k_round, tree, feed)
             elif tree and isinstance(drafter, TreeDrafter):

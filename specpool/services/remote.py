@@ -168,11 +168,14 @@ class RemoteVerifier:
     refuses (FAILED_PRECONDITION): a white-box arm never runs blind."""
 
     # The target deployment verifies draft trees (VerifyRequest.tree_parents); one that predates
-    # the field verifies a tree's tokens as a chain: slower, never wrong.
+    # the field verifies a greedy tree's tokens as a chain: slower, never wrong. A sampled tree
+    # verified as a chain would not be exact, so it gets sampled trees only where its Info says
+    # ``sampled_trees`` (``sampled_trees`` here).
     verifies_trees = True
 
-    def __init__(self, caller: DeploymentCaller):
+    def __init__(self, caller: DeploymentCaller, sampled_trees: bool = False):
         self.caller = caller
+        self.verifies_sampled_trees = sampled_trees
         self.features_received = FeatureTraffic()  # from the target: (a + 1) rows a round
         self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-notices")  # its thread starts on first use
 
@@ -305,9 +308,10 @@ class RemoteDrafter:
     def __init__(self, name: str, caller: DeploymentCaller, tokenizer_fingerprint: str | None,
                  feature_width: int = 0, relay: FeatureRelay | None = None, cooldown_s: float = DEFAULT_COOLDOWN_S,
                  on_failure: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 tree_nodes: int = 0):
+                 tree_nodes: int = 0, sampled_trees: bool = False):
         self.name = name
         self.tree_nodes = tree_nodes  # > 0: the deployment's drafter drafts trees (``TreeDrafter``, from its Info)
+        self.sampled_trees = sampled_trees  # in sampled rounds too (from its Info)
         self.caller = caller
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.feature_width = feature_width  # 0: a black-box drafter (the loop sends it no features)

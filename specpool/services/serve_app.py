@@ -76,13 +76,13 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from transformers import AutoTokenizer
 
 from specpool.core.errors import FailedPrecondition, IncompatibleModels, NotFound
-from specpool.drafters.base import Replayable, TreeDrafter, reads_features
+from specpool.drafters.base import Proposal, Replayable, TreeDrafter, reads_features
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
 from specpool.learning.hot_swap import ServedVariants, learnable
 from specpool.learning.model_store import open_model_store
-from specpool.router.hosted import HostedArm, HostingVerifier, LoadGate
+from specpool.router.hosted import HostedArm, HostingVerifier, LoadGate, samples_trees
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.admission import Admission, QuotaExceeded, load_quotas, retry_metadata
@@ -236,8 +236,13 @@ class TargetServer:
             "feature_dtype": args.feature_dtype,  # and get them as these 2-byte values
             "hosted": {name: {"tokenizer_fingerprint": drafter.tokenizer_fingerprint,
                               "feature_width": int(drafter.feature_width) if reads_features(drafter) else 0,
-                              "tree_nodes": int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0}
+                              "tree_nodes": int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0,
+                              "sampled_trees": samples_trees(drafter)}
                        for name, drafter in self.hosting.drafters.items()},
+            # It verifies sampled draft trees (runner-up leaves drawn without replacement); a target
+            # older than them would verify such a tree as a chain, which is not exact for sampled
+            # drafts, so routers send sampled trees only to a target that says this.
+            "sampled_trees": bool(getattr(self.verifier, "verifies_sampled_trees", False)),
         }
         self._live = _RecentSessions()  # sessions verified and not released since (LRU may drop more)
         self._batch_sizes: Counter[int] = Counter()
@@ -405,9 +410,16 @@ class DrafterServer:
         self._live.add(args.session_id)
         version, drafter = self._pick(args)
         self._observe(drafter, args)
-        if args.tree and args.params.greedy and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0:
-            return drafter.propose_tree(args.session_id, args.context_ids, args.k, args.params), version
-        return drafter.propose(args.session_id, args.context_ids, args.k, args.params), version
+        return self._draft(drafter, args), version
+
+    @staticmethod
+    def _draft(drafter, args) -> Proposal:
+        """The proposal for a Propose call: a tree where the call asks for one and the drafter drafts
+        trees (greedy, or sampled where it draws them: ``samples_trees``), else a chain."""
+        if args.tree and isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0 and (
+                args.params.greedy or samples_trees(drafter)):
+            return drafter.propose_tree(args.session_id, args.context_ids, args.k, args.params)
+        return drafter.propose(args.session_id, args.context_ids, args.k, args.params)
 
     @staticmethod
     def _observe(drafter, args) -> None:
@@ -452,7 +464,8 @@ class DrafterServer:
     async def Info(self) -> dict:
         return {"name": self.args.name, "tokenizer_fingerprint": self.drafter.tokenizer_fingerprint,
                 "feature_width": int(self.drafter.feature_width) if reads_features(self.drafter) else 0,
-                "tree_nodes": int(self.drafter.tree_nodes) if isinstance(self.drafter, TreeDrafter) else 0}
+                "tree_nodes": int(self.drafter.tree_nodes) if isinstance(self.drafter, TreeDrafter) else 0,
+                "sampled_trees": samples_trees(self.drafter)}
 
     async def Sessions(self) -> list[str]:
         """Sessions this replica proposed for and has not released."""
@@ -546,10 +559,12 @@ class RouterServer:
             caller = DeploymentCaller(handle, f"drafter {name!r}", args.transport, args.retry_s, routes("drafter"),
                                       timeout_s=args.drafter_timeout_s)
             drafters[name] = RemoteDrafter(name, caller, fingerprint, width, self._relay if width else None,
-                                           tree_nodes=int(drafter_info.get("tree_nodes", 0)))
+                                           tree_nodes=int(drafter_info.get("tree_nodes", 0)),
+                                           sampled_trees=bool(drafter_info.get("sampled_trees", False)))
         self._drafters = {name: drafters[name] for name, _ in args.drafter_apps}  # pool order
         self._verifier = RemoteVerifier(DeploymentCaller(target, "the target", args.transport, args.retry_s, routes("target"),
-                                                         timeout_s=args.call_timeout_s))
+                                                         timeout_s=args.call_timeout_s),
+                                        sampled_trees=bool(info.get("sampled_trees", False)))
         keys = load_api_keys(args.api_keys_file)  # also bounds the tenant label of the metrics
         metrics = RayMetrics(TenantLabels(keys.tenants if keys.enabled else None))
         self._verifier.features_received.observer = lambda count: metrics.feature_bytes("target", "none", count)
@@ -613,7 +628,8 @@ class RouterServer:
         arm = hosted[name]
         if arm["tokenizer_fingerprint"] is not None:
             check_same_tokenizer(info["tokenizer_fingerprint"], arm["tokenizer_fingerprint"], name)
-        return HostedArm(name, arm["tokenizer_fingerprint"], int(arm["feature_width"]) > 0, int(arm["tree_nodes"]))
+        return HostedArm(name, arm["tokenizer_fingerprint"], int(arm["feature_width"]) > 0, int(arm["tree_nodes"]),
+                         bool(arm.get("sampled_trees", False)))
 
     @staticmethod
     def _feature_relay(info: dict, drafter: str, width: int) -> FeatureRelay:

@@ -6,6 +6,11 @@ Accept draft x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first reje
 *recovered* token from norm(max(p_i - q_i, 0)); if all k are accepted emit a *bonus* token from
 p_{k+1}. The output then follows p exactly, whatever q is, as long as x_i was drawn from q_i.
 
+Several drafts for one position (the runner-up leaves of a draft tree, specpool/target/tree.py)
+are verified by *recursive* rejection sampling without replacement (Jeon et al. 2024, "Recursive
+Speculative Decoding"; the multi-draft rule of SpecInfer, Miao et al. 2024, with draws without
+replacement): ``speculative_verify_tree``.
+
 Pure math on tensors: no model, no I/O.
 """
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specpool.core.errors import InvalidArgument
+from specpool.target.tree import ROOT
 
 
 @dataclass(frozen=True)
@@ -107,3 +113,71 @@ def speculative_verify(
         recovered = _sample(residual / total if total > 1e-12 else p[j], generator)
         return VerifyOutcome(j, list(draft_tokens[:j]) + [recovered], tv)
     return VerifyOutcome(k, list(draft_tokens) + [_sample(p[k], generator)], tv)
+
+
+def sibling_draws(tokens: list[int], q: list[SparseDist], parents: tuple[int, ...] | list[int]) -> str | None:
+    """Why a sampled draft tree breaks the contract ``speculative_verify_tree`` relies on, or None:
+    the children of a node must be distinct tokens with one shared q (drawn from it without
+    replacement, in node order)."""
+    first: dict[int, int] = {}
+    for i, parent in enumerate(parents):
+        j = first.setdefault(parent, i)
+        if j == i:
+            continue
+        if tokens[i] in {tokens[c] for c in range(j, i) if parents[c] == parent}:
+            return f"draft tree node {i} repeats a sibling's token {tokens[i]}: siblings are draws without replacement"
+        if not (torch.equal(q[i].token_ids, q[j].token_ids) and torch.equal(q[i].probs, q[j].probs)):
+            return f"draft tree node {i} has another q than its first sibling, node {j}: siblings share one q"
+    return None
+
+
+def speculative_verify_tree(p: torch.Tensor, tokens: list[int], q: list[SparseDist], parents: tuple[int, ...] | list[int],
+                            generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Sampled acceptance over a draft tree: (the accepted path as node indices, root's child
+    first; the recovered or bonus token). ``p`` (1 + N, V): row 0 is the target's distribution
+    after the last context token, row 1 + i after node i.
+
+    Walking down from the root, the children of the current node are tried in order. A node's
+    children x_1, x_2, .. were drawn from one q *without replacement* (``sibling_draws``): x_i from
+    q_i = q with x_1..x_{i-1} removed, renormalised. Child i is accepted with probability
+    min(1, r_i(x_i) / q_i(x_i)), where r_1 = p and r_{i+1} = norm(max(r_i - q_i, 0)) after a
+    rejection. Each step is the one-draft rule of ``speculative_verify`` for the target r_i with the
+    proposal q_i, so by induction from the last (no children left: emit a token from r), the token
+    emitted at the node follows p; an accepted child continues the walk with its own children
+    (drafted given it) or, without any, emits a bonus token from p after it. A chain (one child per
+    node) is ``speculative_verify`` exactly, uniforms included (one per node, drawn up front)."""
+    n = len(tokens)
+    if p.shape[0] != n + 1:
+        raise InvalidArgument(f"need 1 + {n} target rows for a tree of {n} nodes, got {p.shape[0]}")
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    uniforms = torch.rand(n, generator=generator, device=p.device) if n else None
+    path: list[int] = []
+    current = ROOT
+    while True:
+        kids = children.get(current)
+        if not kids:
+            return path, _sample(p[current + 1], generator)
+        residual = p[current + 1]  # r_1 = p
+        q_left = q[kids[0]].dense(p.shape[-1], p.device)  # q_1, then q_i with earlier siblings removed
+        for child in kids:
+            x = tokens[child]
+            q_x = float(q_left[x])
+            if q_x <= 0.0:
+                raise InvalidArgument(f"draft tree node {child} (token {x}) has zero proposal mass")
+            if float(uniforms[child]) * q_x < float(residual[x]):  # accept with probability min(1, r/q)
+                path.append(child)
+                current = child
+                break
+            rest = (residual - q_left).clamp_(min=0.0)
+            total = float(rest.sum())
+            # A rejection implies r < q somewhere, so the rest has mass; the guard only covers
+            # float round-off when r and q_i are nearly equal.
+            residual = rest / total if total > 1e-12 else residual
+            q_left = q_left.clone()
+            q_left[x] = 0.0
+            left = float(q_left.sum())
+            q_left = q_left / left if left > 0.0 else q_left
+        else:
+            return path, _sample(residual, generator)

@@ -11,8 +11,9 @@ whole context, its ancestors and itself (``tree_attention_mask``), so one forwar
 distribution after every node. Acceptance walks down from the root: the target's greedy token after
 the current node is accepted when a child of that node proposed it (``greedy_tree_walk``); the
 first miss gives the bonus token. The tokens are therefore the target's own greedy tokens, whatever
-the tree: trees are for greedy rounds only (a sampled round needs the chain rule of
-specpool/target/rejection.py, which is exact for one draft per position).
+the tree. A sampled round needs the rules of specpool/target/rejection.py: the chain rule for one
+draft per position, and recursive rejection sampling (``speculative_verify_tree``) for a tree whose
+nodes' children were drawn from one q without replacement, as runner-up leaves are.
 """
 
 from __future__ import annotations

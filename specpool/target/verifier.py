@@ -20,7 +20,7 @@ from specpool.target.cpu_linear import has_packed_linears
 from specpool.target.features import Features
 from specpool.target.kv_cache import PrefixCache, SessionCaches, batched_logits_and_features, supports_batched_logits
 from specpool.target.models import context_window, tokenizer_fingerprint
-from specpool.target.rejection import SparseDist, speculative_verify, tv_distance
+from specpool.target.rejection import SparseDist, sibling_draws, speculative_verify, speculative_verify_tree, tv_distance
 from specpool.target.sampling import SamplingParams, logits_to_probs, request_generator
 from specpool.target.tree import check_tree, greedy_tree_walk, primary_chain
 
@@ -135,8 +135,11 @@ class TargetVerifier:
             raise InvalidArgument(f"forward widths must be >= 1, got {list(forward_widths)}")
         self.forward_widths = tuple(sorted(forward_widths))
 
-    # Draft trees are verified here in one forward each (``_verify_tree``), not batched.
+    # Draft trees are verified here in one forward each (``_verify_tree``), not batched; sampled
+    # ones too, where each node's children were drawn from one q without replacement
+    # (``speculative_verify_tree``).
     verifies_trees = True
+    verifies_sampled_trees = True
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         self._check(request)
@@ -246,7 +249,10 @@ class TargetVerifier:
         if request.tree_parents is not None:
             check_tree(request.tree_parents, k)
             if not request.params.greedy:
-                raise InvalidArgument("a draft tree is verified for greedy decoding only; send sampled drafts as a chain")
+                broken = sibling_draws(request.draft_tokens, request.q, request.tree_parents)
+                if broken is not None:
+                    raise InvalidArgument(f"a sampled draft tree needs each node's children drawn from one q without "
+                                          f"replacement: {broken}")
             if request.return_top_k:
                 raise InvalidArgument("a draft tree cannot return the target's top-K (online-learning feedback needs a chain)")
 
@@ -274,10 +280,11 @@ class TargetVerifier:
         return VerifyResult(outcome.accepted, outcome.tokens, outcome.tv, top_k, forward_s, features)
 
     def _verify_tree(self, request: VerifyRequest) -> VerifyResult:
-        """A greedy round over a draft tree (specpool/target/tree.py): one forward over every node,
-        the walk down the target's greedy tokens, the cache cut to the context and the accepted
-        path. ``tv`` is over the tree's first branch, the chain the drafter would have sent alone,
-        so a tree arm's BD reward means what a chain arm's does."""
+        """A round over a draft tree (specpool/target/tree.py): one forward over every node, the
+        walk down the target's greedy tokens (greedy) or recursive rejection sampling over each
+        node's children (sampled, ``speculative_verify_tree``), the cache cut to the context and the
+        accepted path. ``tv`` is over the tree's first branch, the chain the drafter would have sent
+        alone, so a tree arm's BD reward means what a chain arm's does."""
         cache = self.caches.get(request.session_id)
         parents = request.tree_parents
         n = len(request.context_ids)
@@ -287,11 +294,16 @@ class TargetVerifier:
         started = time.perf_counter()
         logits, keep, hidden = cache.tree_logits_and_hidden(request.context_ids, request.draft_tokens, parents, pad_to)
         forward_s = time.perf_counter() - started
-        greedy = logits.argmax(dim=-1).tolist()  # (1 + N,): after the root, then after each node
-        path = greedy_tree_walk(greedy, request.draft_tokens, parents)
+        p = logits_to_probs(logits, request.params)  # (1 + N, V): after the root, then after each node
+        if request.params.greedy:
+            greedy = logits.argmax(dim=-1).tolist()  # (1 + N,)
+            path = greedy_tree_walk(greedy, request.draft_tokens, parents)
+            last = greedy[path[-1] + 1 if path else 0]
+        else:
+            generator = request_generator(request.params.seed, n, TARGET_STREAM, p.device)
+            path, last = speculative_verify_tree(p, request.draft_tokens, request.q, parents, generator)
         cache.keep_tree_path(n, path)
-        tokens = [request.draft_tokens[i] for i in path] + [greedy[path[-1] + 1 if path else 0]]
-        p = logits_to_probs(logits, request.params)  # (1 + N, V), one-hot
+        tokens = [request.draft_tokens[i] for i in path] + [last]
         tv = [tv_distance(p[parents[i] + 1], request.q[i]) for i in primary_chain(parents)]
         features = None
         if request.return_features:  # the fed context's rows, then the accepted nodes'

@@ -185,8 +185,15 @@ def test_batched_verification_serves_a_tree_beside_chains_as_its_first_branch(ta
     assert (whole.accepted, whole.tokens) == (3, truth[:4])
 
 
+SAMPLED_TREE = SamplingParams(temperature=0.7, max_new_tokens=5)
+SHARED_Q = SparseDist(torch.tensor([5, 6, 7]), torch.tensor([0.5, 0.3, 0.2]))
+
+
 @pytest.mark.parametrize("change, words", [
-    ({"params": SamplingParams(temperature=0.7, max_new_tokens=5)}, "greedy decoding only"),
+    # Sampled: siblings must be distinct draws from one q (the walk's recursive rejection sampling).
+    ({"params": SAMPLED_TREE, "tree_parents": (ROOT, ROOT)}, "siblings share one q"),
+    ({"params": SAMPLED_TREE, "tree_parents": (ROOT, ROOT), "draft_tokens": [5, 5], "q": [SHARED_Q, SHARED_Q]},
+     "repeats a sibling's token 5"),
     ({"return_top_k": 4}, "top-K"),
     ({"tree_parents": (ROOT, 3)}, "parent 3"),
 ])
@@ -335,12 +342,23 @@ def test_trees_only_where_exact_chains_elsewhere(head, target_lm, prompts, greed
                       return_top_k=4)
     assert result.token_ids == expected and feedback
     assert all(r.tree_parents is None for r in local.requests)
-    # Sampled rounds: chains (the tree walk is exact for greedy only), seeded as ever.
+    # Sampled rounds: chains for an EAGLE-2 tree (its children are chosen, not drawn), seeded as ever.
     sampled = SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)
     local.requests.clear()
     first = generate(local, drafter_of(head, tree_nodes=12), prompt, params=sampled, session="s1")
     assert all(r.tree_parents is None for r in local.requests)
     assert generate(local, drafter_of(head), prompt, params=sampled, session="s2").token_ids == first.token_ids
+    # Runner-up leaves draw their sampled trees, but only for a verifier that says it verifies them
+    # (a target deployment older than sampled trees would verify one as a chain: not exact).
+    leaves = drafter_of(head, alternatives=2, alt_min_prob=0.0)
+    assert leaves.sampled_trees and not drafter_of(head, tree_nodes=12).sampled_trees
+    local.requests.clear()
+    generate(local, leaves, prompt, params=sampled, session="s3")
+    assert all(r.tree_parents is None for r in local.requests)
+    local.verifies_sampled_trees = True
+    local.requests.clear()
+    generate(local, leaves, prompt, params=sampled, session="s4")
+    assert any(r.tree_parents is not None and not r.params.greedy for r in local.requests)
     # Greedy, in process, no feedback: trees.
     local.requests.clear()
     assert generate(local, drafter_of(head, tree_nodes=12), prompt, session="t").token_ids == expected
@@ -425,19 +443,61 @@ def test_runner_up_leaves_are_the_heads_next_choices_beside_its_chain(per_depth,
             first = 4 + per_depth * depth
             assert proposal.tokens[first:first + per_depth] == top[1:], (s, depth)
         assert [int(q.token_ids[0]) for q in proposal.q] == proposal.tokens
-        # A minimum probability keeps exactly the leaves the head gives at least that much.
+        # A minimum probability keeps the leaves the head gives at least that much: best first, so
+        # a prefix of each depth's runners-up.
+        every: list = []
+        drafter._draft(f"a{s}", context, 4, GREEDY, every)
         runners_up: list = []
         floor._draft(f"a{s}", context, 4, GREEDY, runners_up)
-        assert len(runners_up) == 2 and all(len(c) == per_depth for c in runners_up)
-        assert all(c[i][1] >= c[i + 1][1] for c in runners_up for i in range(per_depth - 1))
+        assert len(every) == len(runners_up) == 2 and all(len(c) == per_depth for c in every)
+        assert all(kept == c[:len(kept)] for c, kept in zip(every, runners_up))
         kept = floor.propose_tree(f"a{s}", context, 4, GREEDY)
-        assert kept.tokens == chain + [t for c in runners_up for t, p in c if p >= 0.02]
+        assert kept.tokens == chain + [t for c in runners_up for t in c]
         # Below the minimum probability there are no leaves: the chain alone, as a tree.
         alone = strict.propose_tree(f"a{s}", context, 4, GREEDY)
         assert alone.tokens == chain and alone.parents == (ROOT, 0, 1, 2)
         assert drafter.features_held(f"a{s}") == len(context) - 1
     with pytest.raises(InvalidArgument, match="at least one a depth"):
         drafter_of(head, alternatives=2, alt_per_depth=0)
+
+
+def test_sampled_runner_up_leaves_are_draws_without_replacement_from_the_chains_q(head, target_lm, prompts):
+    """Sampled, the chain is ``propose``'s own (same seed, same draws) and each depth's leaves are
+    distinct tokens of that depth's q other than the chain's, as many as q has of at least the
+    minimum probability (at most ``alt_per_depth``), each carrying the chain's q: what the target's
+    recursive rejection sampling needs. Seeded: the same seed, the same tree."""
+    model, tokenizer = target_lm
+    drafter = drafter_of(head, alternatives=2, alt_per_depth=3, alt_min_prob=0.02, confidence_threshold=0.0)
+    verifier = TargetVerifier(model, tokenizer)
+    seen_leaves = set()
+    for s, sequence in enumerate(prompts[:4]):
+        context = sequence[:16]
+        tell(drafter, f"s{s}", model, context)
+        for seed in range(3):
+            params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed)
+            tree = drafter.propose_tree(f"s{s}", context, 4, params)
+            chain = drafter.propose(f"s{s}", context, 4, params)
+            assert tree.tokens[:4] == chain.tokens
+            for a, b in zip(tree.q[:4], chain.q):  # a cached catch-up against a fresh one: float round-off
+                assert torch.equal(a.token_ids, b.token_ids)
+                torch.testing.assert_close(a.probs, b.probs, atol=1e-4, rtol=1e-4)
+            assert drafter.propose_tree(f"s{s}", context, 4, params).tokens == tree.tokens
+            for depth in range(2):
+                leaves = [i for i in range(4, len(tree.tokens)) if tree.parents[i] == (ROOT if depth == 0 else depth - 1)]
+                q = tree.q[depth]
+                others = {int(t) for t, p in zip(q.token_ids, q.probs) if float(p) >= 0.02} - {chain.tokens[depth]}
+                assert len(leaves) == min(3, len(others))
+                tokens = [tree.tokens[i] for i in leaves]
+                assert len(set(tokens)) == len(tokens) and chain.tokens[depth] not in tokens
+                assert set(tokens) <= {int(t) for t in q.token_ids}
+                assert all(tree.q[i] is tree.q[depth] for i in leaves)
+                seen_leaves.add((s, depth, tuple(tokens)))
+            # The target verifies it: a sampled tree in one forward, the cache keeping the path.
+            request = VerifyRequest(f"s{s}-{seed}", context, tree.tokens, tree.q, params, tree_parents=tree.parents)
+            result = verifier.verify(request)
+            assert len(result.tokens) == result.accepted + 1
+            assert verifier.caches.get(f"s{s}-{seed}").token_ids == context + result.tokens[:-1]
+    assert len(seen_leaves) > 8  # seeds and contexts change the draws
 
 
 def test_a_padded_tree_forward_equals_an_unpadded_one(target_lm, prompts):

@@ -401,24 +401,29 @@ def in_precision(head: EagleHead, precision: str) -> EagleHead:
 
 
 @pytest.mark.slow  # statistical: SEEDS generations
-@pytest.mark.parametrize("precision", ["float32", "int8"])
-def test_sampled_output_follows_the_targets_distribution(head, target_lm, prompts, precision):
+@pytest.mark.parametrize("precision, leaves", [("float32", False), ("int8", False), ("float32", True)])
+def test_sampled_output_follows_the_targets_distribution(head, target_lm, prompts, precision, leaves):
     """Round 1 is the target's prefill (token 1); the head drafts tokens 2-3 (k = 2): the joint
     distribution of all three is the target's (chi-square and TV, as test_sampled_generation),
-    whether the head computes its q in float32 or with int8 kernels (``eagle-int8``)."""
+    whether the head computes its q in float32 or with int8 kernels (``eagle-int8``), and with
+    runner-up leaves drawn beside its chain (``eagle-alt``: sampled trees, verified by recursive
+    rejection sampling)."""
     model, tokenizer = target_lm
     verifier = TargetVerifier(model, tokenizer)
-    drafter = drafter_of(in_precision(head, precision))
+    options = dict(alternatives=2, alt_min_prob=0.0) if leaves else {}
+    drafter = drafter_of(in_precision(head, precision), **options)
     prompt = prompts[2][:-12]
-    counts, proposed, accepted = Counter(), 0, 0
+    counts, proposed, accepted, trees = Counter(), 0, 0, 0
     for seed in range(SEEDS):
         result = generate(verifier, {"e": drafter}, FixedChooser("e"), prompt, SamplingParams(seed=seed, **DIST),
                           k=2, session=f"d{seed}")
         verifier.release(f"d{seed}")
         drafter.release(f"d{seed}")
         counts[tuple(result.token_ids)] += 1
-        proposed += sum(r.proposed for r in result.rounds)
+        proposed += sum(min(r.proposed, 2) for r in result.rounds)
         accepted += sum(r.accepted for r in result.rounds)
+        trees += sum(r.proposed > 2 for r in result.rounds)
+    assert (trees > SEEDS // 2) if leaves else trees == 0
     expected = exact_first_three(model, prompt)
     assert sum(expected.values()) == pytest.approx(1.0, abs=1e-5) and max(expected.values()) < 0.8
     assert 0.1 * proposed < accepted < 0.95 * proposed, (accepted, proposed)

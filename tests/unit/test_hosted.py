@@ -115,9 +115,12 @@ def test_a_batch_of_sessions_equals_each_session_alone(head, target_lm, prompts)
             assert any(p.tokens for p, _ in many)
 
 
-def test_a_tree_arm_drafts_trees_alone_and_chains_in_a_batch_of_sessions(head, target_lm, prompts):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, max_new_tokens=20, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_a_tree_arm_drafts_trees_alone_and_chains_in_a_batch_of_sessions(params, head, target_lm, prompts):
     """One session's tree is verified in a forward of its own; in a batch of several, trees would
-    split the one batched forward into one per session, so there the arm drafts its chain."""
+    split the one batched forward into one per session, so there the arm drafts its chain. Runner-up
+    leaves draw sampled trees too."""
     model, tokenizer = target_lm
     arm = "eagle-alt:tiny"
     hosting = HostingVerifier(TargetVerifier(model, tokenizer),
@@ -125,14 +128,14 @@ def test_a_tree_arm_drafts_trees_alone_and_chains_in_a_batch_of_sessions(head, t
     chains = HostingVerifier(TargetVerifier(model, tokenizer), {arm: drafter_of(head)})
     contexts = {f"t{i}": list(s[:-24]) for i, s in enumerate(prompts[:3])}
     for verifier in (hosting, chains):  # the prefill round: every arm gets the prompts' features
-        verifier.verify_batch([(VerifyRequest(s, list(c), [], [], GREEDY), HostedDraft(None, 5, True, (arm,)))
+        verifier.verify_batch([(VerifyRequest(s, list(c), [], [], params), HostedDraft(None, 5, True, (arm,)))
                                for s, c in contexts.items()])
     draft = HostedDraft(arm, 5, True, (arm,))
     session, context = next(iter(contexts.items()))
-    alone, _ = hosting.draft_and_verify(VerifyRequest(session, list(context), [], [], GREEDY), draft)
+    alone, _ = hosting.draft_and_verify(VerifyRequest(session, list(context), [], [], params), draft)
     assert alone.parents is not None and len(alone.tokens) > 5  # the chain and its leaves
     hosting.verifier.caches.get(session).truncate(len(context))  # as before that round (heads re-read)
-    requests = [VerifyRequest(s, list(c), [], [], GREEDY) for s, c in contexts.items()]
+    requests = [VerifyRequest(s, list(c), [], [], params) for s, c in contexts.items()]
     many = hosting.verify_batch([(r, draft) for r in requests])
     like = chains.verify_batch([(r, draft) for r in requests])
     for (p, r), (q, rq) in zip(many, like):

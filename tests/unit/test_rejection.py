@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from specpool.core.errors import InvalidArgument
-from specpool.target.rejection import SparseDist, VerifyOutcome, speculative_verify, tv_distance
+from specpool.target.rejection import (SparseDist, VerifyOutcome, sibling_draws, speculative_verify, speculative_verify_tree,
+                                       tv_distance)
+from specpool.target.tree import ROOT
 
 V = 8
 P0 = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
@@ -249,3 +251,102 @@ def test_second_emitted_token_follows_p_after_an_accepted_draft():
     assert dense_tv(empirical(bonuses), P2) < TV_BOUND
     # Sanity of the construction: conditioning on acceptance really selected a subset.
     assert len(bonuses) < len(seconds) < n
+
+
+# -- speculative_verify_tree: several drafts for a position (runner-up leaves) ----------------------
+
+
+def draw_without_replacement(q: SparseDist, m: int, gen: torch.Generator) -> list[int]:
+    """m distinct tokens drawn from q one after another, each from q without the ones before it (as
+    the white-box drafter draws its chain token and then its leaves)."""
+    left = q.probs.clone().float()
+    out = []
+    for _ in range(m):
+        j = int(torch.multinomial(left, 1, generator=gen))
+        out.append(int(q.token_ids[j]))
+        left[j] = 0.0
+    return out
+
+
+def test_a_chain_tree_is_speculative_verify_exactly():
+    """One child per node: the tree walk draws what the chain rule draws, seed for seed."""
+    p = torch.stack([P0, P1, P2])
+    q = [SparseDist(torch.arange(V), UNIFORM.clone()), sparse({2: 0.5, 4: 0.5})]
+    for seed in range(60):
+        drafts = [seed % V, (2, 4)[seed % 2]]
+        chain = speculative_verify(p, drafts, q, torch.Generator().manual_seed(seed), False)
+        path, last = speculative_verify_tree(p, drafts, q, (ROOT, 0), torch.Generator().manual_seed(seed))
+        assert (len(path), [drafts[i] for i in path] + [last]) == (chain.accepted, chain.tokens)
+
+
+def test_a_sampled_tree_breaking_the_sibling_contract_is_named():
+    q = sparse({1: 0.5, 2: 0.3, 3: 0.2})
+    assert sibling_draws([1, 2, 3], [q, q, q], (ROOT, ROOT, ROOT)) is None
+    assert sibling_draws([2, 1, 2], [q, q, q], (ROOT, ROOT, 0)) is None  # a token again under another parent
+    assert "repeats a sibling's token 2" in sibling_draws([1, 2, 2], [q, q, q], (ROOT, 0, 0))
+    assert "another q than its first sibling" in sibling_draws([1, 2], [q, sparse({2: 1.0})], (ROOT, ROOT))
+    with pytest.raises(InvalidArgument, match="zero proposal mass"):
+        speculative_verify_tree(torch.stack([P0, P1, P2]), [7, 1], [q, q], (ROOT, ROOT), torch.Generator())
+    with pytest.raises(InvalidArgument, match="1 \\+ 2 target rows"):
+        speculative_verify_tree(torch.stack([P0, P1]), [1, 2], [q, q], (ROOT, ROOT), torch.Generator())
+
+
+def test_a_sibling_p_excludes_is_never_accepted_nor_recovered():
+    p_row = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
+    q = sparse({0: 0.4, 3: 0.3, 1: 0.3})
+    p = torch.stack([p_row, P1, P1, P1])
+    for seed in range(200):
+        path, last = speculative_verify_tree(p, [0, 3, 1], [q, q, q], (ROOT, ROOT, ROOT), torch.Generator().manual_seed(seed))
+        assert path in ([], [2])
+        assert (last in (1, 2)) if not path else True
+
+
+@pytest.mark.slow  # statistical: thousands of tree walks per case
+@pytest.mark.parametrize("case", sorted(FIRST_POSITION_CASES))
+@pytest.mark.parametrize("m", [2, 3])
+def test_the_first_emitted_token_of_a_tree_follows_p_and_more_are_accepted(case, m):
+    """m children of the root drawn from q without replacement: the first emitted token follows p,
+    and a draft is accepted more often than one draft alone would be (1 - TV(p, q))."""
+    p0, q = FIRST_POSITION_CASES[case]
+    m = min(m, int((q.probs > 0).sum()))
+    p = torch.cat([p0[None], P1.expand(m, V)])  # (1 + m, V)
+    drafts = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(2)
+    firsts, accepted = [], 0
+    for _ in range(DRAWS):
+        tokens = draw_without_replacement(q, m, drafts)
+        path, last = speculative_verify_tree(p, tokens, [q] * m, (ROOT,) * m, gen)
+        firsts.append(tokens[path[0]] if path else last)
+        accepted += bool(path)
+    assert dense_tv(empirical(firsts), p0) < TV_BOUND
+    assert accepted / DRAWS > 1.0 - dense_tv(p0, q.dense(V)) + 0.02
+
+
+@pytest.mark.slow  # statistical: thousands of tree walks
+def test_the_second_emitted_token_follows_the_row_of_the_accepted_node():
+    """A chain of two with two leaves beside its first node (the drafter's shape): the first token
+    follows p's root row; after the chain's node, the next token follows that node's row (accepted
+    second draft, recovered token or bonus), after a leaf the leaf's own row (its bonus)."""
+    q0 = SparseDist(torch.arange(V), 0.3 * P0 + 0.7 * UNIFORM)
+    q1 = sparse({1: 0.3, 2: 0.3, 5: 0.4})
+    leaf_row = torch.tensor([0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.3, 0.4])
+    parents = (ROOT, 0, ROOT, ROOT)  # chain 0 -> 1; nodes 2 and 3 are leaves beside node 0
+    p = torch.stack([P0, P1, P2, leaf_row, leaf_row])  # rows: root, after node 0, 1, 2, 3
+    drafts = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(4)
+    firsts, after_chain, after_leaf = [], [], []
+    for _ in range(60_000):
+        first, *leaves = draw_without_replacement(q0, 3, drafts)
+        second = int(q1.token_ids[torch.multinomial(q1.probs, 1, generator=drafts)])
+        tokens = [first, second, *leaves]
+        path, last = speculative_verify_tree(p, tokens, [q0, q1, q0, q0], parents, gen)
+        emitted = [tokens[i] for i in path] + [last]
+        firsts.append(emitted[0])
+        if path and path[0] == 0:
+            after_chain.append(emitted[1])
+        elif path:
+            after_leaf.append(emitted[1])
+    assert dense_tv(empirical(firsts), P0) < TV_BOUND
+    assert len(after_chain) > 20_000 and len(after_leaf) > 5_000
+    assert dense_tv(empirical(after_chain), P1) < TV_BOUND
+    assert dense_tv(empirical(after_leaf), leaf_row) < 2 * TV_BOUND

@@ -21,6 +21,7 @@ from specpool.services.remote import FeatureRelay, RemoteDrafter, RemoteVerifier
 from specpool.services.status import grpc_status
 from specpool.target.features import FeatureGap, FeatureLog, Features
 from specpool.target.sampling import SamplingParams
+from specpool.target.tree import primary_chain
 from specpool.target.verifier import VerifyRequest, VerifyResult
 from specpool.v1 import common_pb2, drafter_pb2, target_pb2
 
@@ -143,6 +144,7 @@ class FakeDrafterDeployment:
         from specpool.services.serve_app import DrafterServer
 
         self.observe = DrafterServer.func_or_class._observe  # the server's own: apply, or gap -> FAILED_PRECONDITION
+        self.draft = DrafterServer.func_or_class._draft  # and its own choice of a tree or a chain
         self.drafter = drafter
         self.calls: list[tuple[str, object]] = []
         self.lose_before_call = lose_before_call  # fault injection: the replica forgets every session
@@ -171,7 +173,7 @@ class FakeDrafterDeployment:
         if method == "Propose":
             args = convert.propose_request_from_proto(message)
             self.observe(self.drafter, args)
-            return wire(convert.proposal_to_proto(self.drafter.propose(args.session_id, args.context_ids, args.k, args.params)))
+            return wire(convert.proposal_to_proto(self.draft(self.drafter, args)))
         args = convert.replay_request_from_proto(message)
         self.observe(self.drafter, args)
         return wire(convert.replay_to_proto(self.drafter.replay(args.session_id, args.context_ids, args.continuation,
@@ -274,7 +276,7 @@ class FakeTargetDeployment:
         return wire(response)
 
 
-def tiny_eagle(target_lm) -> EagleDrafter:
+def tiny_eagle(target_lm, **options) -> EagleDrafter:
     model, tokenizer = target_lm
     config = model.config
     torch.manual_seed(0)
@@ -284,7 +286,7 @@ def tiny_eagle(target_lm) -> EagleDrafter:
                      model.get_input_embeddings().weight.detach().float(), torch.arange(config.vocab_size))
     from specpool.target.models import tokenizer_fingerprint
 
-    return EagleDrafter("eagle", head.eval(), {"target_tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)})
+    return EagleDrafter("eagle", head.eval(), {"target_tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}, **options)
 
 
 @pytest.mark.parametrize("dtype, lose", [("float16", None), ("bfloat16", 3)])
@@ -312,6 +314,47 @@ def test_served_white_box_greedy_equals_target_only(target_lm, verifier, prompts
     again = proposes[lose - 1].features.start if lose else 0
     assert remote.features_sent.rows == sum(per_round[:drafted[-1]]) + again
     assert remote.resends == (1 if lose else 0) and (not lose or again > 0)
+
+
+class RecordingTarget(FakeTargetDeployment):
+    def __init__(self, verifier):
+        super().__init__(verifier)
+        self.requests: list[VerifyRequest] = []
+
+    def call(self, method: str, message, session_id: str = "", timeout_s: float | None = None):
+        if method == "Verify":
+            self.requests.append(convert.verify_request_from_proto(wire(message)))
+        return super().call(method, message, session_id, timeout_s)
+
+
+def test_served_sampled_trees_only_for_a_target_that_says_it_verifies_them(target_lm, verifier, prompts):
+    """Runner-up leaves served, sampled: the drafter deployment draws its tree (its Info says
+    ``sampled_trees``) and the target deployment verifies it, both over the protos, only when the
+    target's Info says ``sampled_trees``; an older target (which would verify a sampled tree as a
+    chain: not exact) gets chains. Seeded either way: a request run twice gives the same tokens."""
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=11)
+    drafter = tiny_eagle(target_lm, alternatives=2, alt_min_prob=0.0)
+    outputs = {}
+    for says in (True, False):
+        target = RecordingTarget(verifier)
+        for run in ("a", "b"):
+            remote = RemoteDrafter("eagle", FakeDrafterDeployment(drafter), None, verifier.feature_width,
+                                   tree_nodes=drafter.tree_nodes, sampled_trees=drafter.sampled_trees)
+            session = f"st-{says}-{run}"
+            result = speculative_generate(prompts[1], session_id=session, drafters={"eagle": remote},
+                                          chooser=FixedChooser("eagle"), params=params, k=4,
+                                          verifier=RemoteVerifier(target, sampled_trees=says))
+            assert len(result.token_ids) == params.max_new_tokens
+            outputs.setdefault(says, set()).add(tuple(result.token_ids))
+            verifier.release(session)
+            drafter.release(session)
+        trees = [r for r in target.requests if r.tree_parents is not None]
+        if says:
+            assert trees and all(not r.params.greedy for r in trees)
+            assert all(len(r.draft_tokens) > len(primary_chain(r.tree_parents)) for r in trees)  # leaves beside the chain
+        else:
+            assert not trees
+    assert all(len(tokens) == 1 for tokens in outputs.values())
 
 
 def test_a_target_that_returns_no_features_fails_a_white_box_arm_clearly(target_lm, verifier, prompts):

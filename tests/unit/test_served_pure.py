@@ -300,7 +300,8 @@ def test_a_target_that_hosts_a_drafter_drafts_inside_its_verify_batch(model_dirs
     target = serve_app.TargetServer.func_or_class(TargetArgs(model=str(model_dirs.target), hosted_drafters=(name,)))
     try:
         assert target.info["hosted"] == {name: {"tokenizer_fingerprint": target.verifier.tokenizer_fingerprint,
-                                                "feature_width": 0, "tree_nodes": 0}}
+                                                "feature_width": 0, "tree_nodes": 0, "sampled_trees": False}}
+        assert target.info["sampled_trees"] is True  # routers may send it sampled trees
         params = SamplingParams(max_new_tokens=8)
         hosted = VerifyRequest("h", [1, 2, 3, 4], [], [], params)
         own = VerifyRequest("o", [1, 2, 3, 4], [5], [SparseDist.one_hot(5)], params)
