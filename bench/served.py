@@ -5,9 +5,12 @@ as `specpool serve`) and the embedded engine with the same models in a child pro
 (``EmbeddedWorker``: no Ray in it, as in a user's `specpool generate`), then
 
 1. **single session, side by side**: for every prompt, served (GenerateStream over gRPC on
-   loopback) and embedded (``EmbeddedEngine.generate``), alternating which goes first; greedy,
-   same policy, pool, k and seed. Reports tokens/s of each, their ratio (per prompt and pooled),
-   and whether the tokens are identical;
+   loopback) and embedded (``EmbeddedEngine.generate``), alternating which goes first; greedy
+   (or sampled at ``--temperature``, seeded by the prompt's length in characters), same policy,
+   pool, k and seed. Reports tokens/s of each, their ratio (per prompt and pooled), and whether
+   the tokens are identical (sampled, they are where the drafts are: a head on a drafter deployment
+   reads float16 features, which can change a draft and so the tokens drawn, each side's still
+   following the target's distribution);
 2. **concurrency**: 1, 4 and 8 client sessions at once (threads, one gRPC stream each) working
    through the prompts; aggregate tokens/s = all tokens / wall time, and the target's batch sizes;
 3. **latency** at every concurrency level: time to first token (TTFT, request sent -> first
@@ -21,6 +24,7 @@ functions below (unit-tested).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import queue
@@ -52,11 +56,12 @@ class EmbeddedWorker:
     with "spawn", so it inherits none of the driver's threads or state.
     """
 
-    def __init__(self, home: Path, pool: Sequence[str], k: int, max_new_tokens: int, policy: str):
+    def __init__(self, home: Path, pool: Sequence[str], k: int, max_new_tokens: int, policy: str,
+                 temperature: float = 0.0):
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=_embedded_worker_main, name="specpool-bench-embedded", daemon=True,
-                                        args=(child_conn, str(home), list(pool), k, max_new_tokens, policy))
+                                        args=(child_conn, str(home), list(pool), k, max_new_tokens, policy, temperature))
         self._process.start()
         child_conn.close()  # only the child holds its end: its death then reads as EOF here
         self._receive(EMBEDDED_START_TIMEOUT_S, "loading")
@@ -94,7 +99,13 @@ class EmbeddedWorker:
         self._conn.close()
 
 
-def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_tokens: int, policy: str) -> None:
+def prompt_seed(prompt: str) -> int:
+    """The seed of a sampled request for ``prompt``, served and embedded alike: its length in characters."""
+    return len(prompt)
+
+
+def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_tokens: int, policy: str,
+                          temperature: float = 0.0) -> None:
     """Child process of ``EmbeddedWorker``: load, say ready, then answer prompts until None."""
     try:
         from specpool.services.engine import EmbeddedEngine, EngineConfig
@@ -105,7 +116,7 @@ def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_toke
         engine = EmbeddedEngine(EngineConfig(home=Path(home), target=ModelConfig(DEFAULT_TARGET)))
         for name in pool:
             engine.drafter(name)
-        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids(), temperature=temperature)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -114,7 +125,8 @@ def _embedded_worker_main(conn, home: str, pool: list[str], k: int, max_new_toke
         try:
             ids = engine.encode_prompt(prompt)
             started = time.perf_counter()
-            result = engine.generate(ids, params, k=k, session_id=uuid.uuid4().hex, policy=policy, pool=pool)
+            result = engine.generate(ids, dataclasses.replace(params, seed=prompt_seed(prompt)), k=k,
+                                     session_id=uuid.uuid4().hex, policy=policy, pool=pool)
             wall = time.perf_counter() - started
             split = time_split(rounds=len(result.rounds), wall_s=wall, loop_s=result.wall_s, **result.call_seconds())
             conn.send(("ok", (list(result.token_ids), wall, split)))
@@ -137,6 +149,8 @@ def add_bench_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"concurrent sessions to measure (default {DEFAULT_CONCURRENCY})")
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each concurrency level (default: max(#prompts, 2 x sessions))")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature, seeded by each prompt's length (default 0: greedy, outputs compared)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="the target's @serve.batch size (default 8)")
     parser.add_argument("--host-heads", default=None, action=argparse.BooleanOptionalAction,
                         help="the target deployment hosts the pool's white-box heads and drafts with them inside its verify "
@@ -263,6 +277,11 @@ def single_session_summary(records: Sequence[dict]) -> dict:
     }
 
 
+def decoding(cfg: dict) -> str:
+    temperature = cfg.get("temperature") or 0.0
+    return f"sampled at T = {temperature:g} (seed = prompt length in characters)" if temperature > 0 else "greedy"
+
+
 def _f(value, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}{unit}"
 
@@ -274,7 +293,7 @@ def markdown_report(result: dict, plot: str | None) -> str:
         f"- command: `{result['command']}`",
         f"- machine: {result['machine'].get('cpu')} ({result['machine'].get('cores')} cores), torch {result['machine'].get('torch')}; "
         f"Ray {result['machine'].get('ray')}, grpcio {result['machine'].get('grpcio')}",
-        f"- target {cfg['target']}, pool {', '.join(cfg['pool'])}, policy {cfg['policy']}, k {cfg['k']}, greedy, "
+        f"- target {cfg['target']}, pool {', '.join(cfg['pool'])}, policy {cfg['policy']}, k {cfg['k']}, {decoding(cfg)}, "
         f"{cfg['max_new_tokens']} new tokens, {single['prompts']} prompts ({cfg['prompts_file']}, {cfg['limit_per_category']} per category)",
         f"- served: router + target (@serve.batch max {cfg['max_batch_size']}{hosted_note(cfg)}) + "
         f"{plural(len(cfg['pool']) - len(hosted_drafters(cfg)), 'drafter deployment')} on one local Ray, "
@@ -287,7 +306,9 @@ def markdown_report(result: dict, plot: str | None) -> str:
         "",
         f"**served / embedded = {_f(single['ratio_pooled'], 3)}** pooled (total tokens / total time); mean of per-prompt ratios "
         f"{_f(single['ratio_mean_per_prompt'], 3)} (min {_f(single['ratio_min'], 3)}, max {_f(single['ratio_max'], 3)}). "
-        f"Identical greedy outputs: {single['identical_outputs']} of {single['prompts']}.",
+        + (f"Identical greedy outputs: {single['identical_outputs']} of {single['prompts']}." if not cfg.get("temperature")
+           else f"Identical sampled outputs (same seeds): {single['identical_outputs']} of {single['prompts']}; a draft that "
+                "differs (float16 features on the wire) changes the tokens drawn, not their distribution."),
         "",
         *split_table(single.get("ms_per_round") or {}),
         "## Concurrent sessions (served)", "",
@@ -401,7 +422,7 @@ def _stream_once(client, prompt: str, fields: dict):
     tokens: list[int] = []
     stats = None
     started = time.perf_counter()
-    for chunk in client.generate_stream(prompt, **fields):
+    for chunk in client.generate_stream(prompt, **{"seed": prompt_seed(prompt), **fields}):
         now = time.perf_counter() - started
         timing.arrivals.append((now, len(chunk.token_ids)))
         tokens.extend(chunk.token_ids)
@@ -417,7 +438,8 @@ def command_line(args: argparse.Namespace) -> str:
         "--concurrency", args.concurrency, "--max-batch-size", str(args.max_batch_size), "--out", str(args.out),
     ] + (["--requests-per-level", str(args.requests_per_level)] if args.requests_per_level else [])
       + ([] if getattr(args, "host_heads", None) is None else ["--host-heads" if args.host_heads else "--no-host-heads"])
-      + ([] if getattr(args, "load_gate", None) is None else ["--load-gate" if args.load_gate else "--no-load-gate"]))
+      + ([] if getattr(args, "load_gate", None) is None else ["--load-gate" if args.load_gate else "--no-load-gate"])
+      + (["--temperature", f"{args.temperature:g}"] if getattr(args, "temperature", 0.0) else []))
 
 
 def run_bench_served(args: argparse.Namespace, settings) -> int:
@@ -445,6 +467,7 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     make_policy(args.policy, pool, PolicyOptions())
     validate_draft_length(args.k)
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check(0.0 <= args.temperature <= 2.0, f"--temperature must be in 0..2 (0: greedy), got {args.temperature}")
     levels = parse_levels(args.concurrency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -462,9 +485,10 @@ def run_bench_served(args: argparse.Namespace, settings) -> int:
     engine: EmbeddedWorker | None = None
     try:
         _say("loading the embedded engine (same target and drafters) in its own process ...")
-        engine = EmbeddedWorker(settings.home, pool, args.k, args.max_new_tokens, args.policy)
+        engine = EmbeddedWorker(settings.home, pool, args.k, args.max_new_tokens, args.policy, args.temperature)
         client = SpecPoolClient(local.address, options=[("grpc.max_receive_message_length", 64 << 20)])
-        fields = dict(max_new_tokens=args.max_new_tokens, policy=args.policy, k=args.k, tenant="bench")
+        fields = dict(max_new_tokens=args.max_new_tokens, policy=args.policy, k=args.k, tenant="bench",
+                      temperature=args.temperature)
         _say("warm-up ...")
         engine.generate(WARMUP_PROMPT)
         _stream_once(client, WARMUP_PROMPT, {**fields, "session_id": uuid.uuid4().hex})
@@ -612,6 +636,7 @@ def write_results(out: Path, args: argparse.Namespace, machine: dict, config: di
         "config": {"target": DEFAULT_TARGET, "pool": pool, "policy": args.policy, "k": args.k,
                    "max_new_tokens": args.max_new_tokens, "prompts_file": str(args.prompts),
                    "limit_per_category": args.limit_per_category, "max_batch_size": args.max_batch_size,
+                   "temperature": getattr(args, "temperature", 0.0),
                    "serve_config": config},
         "single_session": single_session_summary(records), "per_prompt": records, "concurrency": concurrency,
     }

@@ -78,7 +78,8 @@ def command_line(args: argparse.Namespace) -> str:
         "--out", str(args.out), "--target", args.target, "--device", args.device, "--dtype", args.dtype,
         "--cpu-linear", args.cpu_linear,
     ] + (["--in-domain", args.in_domain] if args.in_domain else [])
-      + (["--in-domain-lookup", args.in_domain_lookup] if args.in_domain_lookup else []))
+      + (["--in-domain-lookup", args.in_domain_lookup] if args.in_domain_lookup else [])
+      + (["--temperature", f"{args.temperature:g}"] if getattr(args, "temperature", 0.0) else []))
 
 
 # -- systems (models) ---------------------------------------------------------------------------

@@ -121,6 +121,13 @@ def test_old_in_domain_flags_still_parse(tmp_path, model_dirs):
     assert "--in-domain zoo --in-domain-lookup zoo" in command_line(args)
 
 
+def test_the_recorded_command_repeats_a_sampled_run(tmp_path, model_dirs):
+    """A sampled run's report names its temperature in the command (it used to drop it)."""
+    sampled = resolve_bench_defaults(bench_args(tmp_path, model_dirs, "--temperature", "0.7"))
+    assert command_line(sampled).endswith("--temperature 0.7")
+    assert "--temperature" not in command_line(resolve_bench_defaults(bench_args(tmp_path, model_dirs)))
+
+
 def test_in_domain_eagle_without_the_heads_fails_before_loading(tmp_path, model_dirs, home, monkeypatch):
     (tmp_path / "heads" / "code").mkdir(parents=True)
     monkeypatch.setattr("specpool.drafters.eagle.SHIPPED_DIR", tmp_path / "heads")

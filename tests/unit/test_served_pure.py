@@ -788,6 +788,34 @@ def test_bench_served_aggregation():
         parse_levels("a,b")
 
 
+def test_bench_served_sampled_says_how_it_sampled():
+    """--temperature: the report names the temperature and the seed rule, and reads identical
+    outputs as same-seed agreement, not as the lossless check; the command line carries the flag."""
+    import argparse
+
+    from bench.served import command_line, markdown_report, prompt_seed, single_session_summary
+
+    records = [{"served_tokens": 10, "served_s": 2.0, "served_tps": 5.0, "embedded_tokens": 12, "embedded_s": 2.0,
+                "embedded_tps": 6.0, "identical": False}]
+    single = single_session_summary(records)
+    assert single["identical_outputs"] == 0 and single["ratio_pooled"] == pytest.approx(10 / 12)
+    result = {"command": "c", "machine": {}, "single_session": single, "concurrency": [],
+              "config": {"target": "t", "pool": ["ngram"], "policy": "p", "k": 5, "max_new_tokens": 8, "prompts_file": "f",
+                         "limit_per_category": 1, "max_batch_size": 8, "temperature": 0.7}}
+    text = markdown_report(result, None)
+    assert "sampled at T = 0.7 (seed = prompt length in characters)" in text
+    assert "Identical sampled outputs (same seeds): 0 of 1" in text and "Identical greedy outputs" not in text
+    greedy = markdown_report({**result, "single_session": single_session_summary([dict(records[0], identical=True)]),
+                              "config": {**result["config"], "temperature": 0.0}}, None)
+    assert ", greedy, " in greedy and "Identical greedy outputs: 1 of 1." in greedy
+    assert prompt_seed("abc") == 3
+    args = argparse.Namespace(prompts="p.jsonl", limit_per_category=1, max_new_tokens=8, pool="ngram", policy="p", k=5,
+                              concurrency="1,8", max_batch_size=8, out="o", requests_per_level=0, host_heads=None,
+                              load_gate=None, temperature=0.7)
+    assert command_line(args).endswith("--temperature 0.7")
+    assert "--temperature" not in command_line(argparse.Namespace(**{**vars(args), "temperature": 0.0}))
+
+
 def test_bench_served_time_split():
     from bench.served import markdown_report, single_session_summary, split_per_round, time_split
 
