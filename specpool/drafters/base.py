@@ -93,6 +93,11 @@ class TreeDrafter(Protocol):
         ...
 
 
+def samples_trees(drafter: object) -> bool:
+    """Whether ``drafter`` drafts trees in sampled rounds too (``TreeDrafter``'s contract)."""
+    return isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0 and getattr(drafter, "sampled_trees", False) is True
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     """One session's ask of a drafter: what ``Drafter.propose`` takes, as one value."""

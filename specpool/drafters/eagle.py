@@ -196,12 +196,15 @@ class EagleDrafter:
         self.alt_per_depth = alt_per_depth
         if alternatives > 0:
             self.tree_nodes = tree_nodes or 1  # the loop asks ``propose_tree`` of a drafter with nodes
-        # Sampled rounds get trees from leaves only (``_leaf_tokens``): an EAGLE-2 tree's children are
-        # the head's likeliest tokens, not draws, which the sampled walk cannot verify exactly.
-        self.sampled_trees = alternatives > 0
         self.cost = CostMeter()
         self.output_ids = head.vocab_ids.cpu()  # reduced index -> full token id
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
+
+    @property
+    def sampled_trees(self) -> bool:
+        """Sampled rounds get trees from leaves only (``_leaf_tokens``): an EAGLE-2 tree's children
+        are the head's likeliest tokens, not draws, which the sampled walk cannot verify exactly."""
+        return self.alternatives > 0
 
     @property
     def model(self) -> EagleHead:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from specpool.drafters.base import (CostMeter, DraftRequest, Drafter, Proposal, Replayable, TreeDrafter, WhiteBox,
-                                    leading_matches, propose_many)
+                                    leading_matches, propose_many, samples_trees)
 from specpool.drafters.ngram import NGramDrafter
 from specpool.drafters.registry import DrafterContext, create_drafter, register_drafter
 from specpool.core.errors import InvalidArgument
@@ -39,10 +39,14 @@ class LookupFirstDrafter:
         # In front of a tree drafter (``lookup:eagle-alt:code``) a round lookup does not answer is
         # the inner drafter's tree (``propose_tree``); a lookup match stays a chain.
         self.tree_nodes = inner.tree_nodes if isinstance(inner, TreeDrafter) else 0
-        self.sampled_trees = bool(getattr(inner, "sampled_trees", False)) and self.tree_nodes > 0
         self.cost = CostMeter()
         self.lookup_rounds = 0  # raw counters: rounds answered by lookup, and by the inner drafter
         self.inner_rounds = 0
+
+    @property
+    def sampled_trees(self) -> bool:
+        """Its inner drafter's trees in sampled rounds too (a lookup match stays a chain)."""
+        return samples_trees(self.inner)
 
     def propose(self, session_id: str, context_ids: list[int], k: int, params: SamplingParams) -> Proposal:
         return self._propose(session_id, context_ids, k, params, self.inner.propose)

@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 from specpool.core.errors import FailedPrecondition, InvalidArgument, NotFound, SpecpoolError
 from specpool.drafters.base import (UNDRAFTED_SOURCE, BatchDrafter, CostMeter, DraftRequest, Drafter, Proposal, TreeDrafter,
-                                    WhiteBox, reads_features)
+                                    WhiteBox, reads_features, samples_trees)
 from specpool.target.features import FeatureGap
 from specpool.target.sampling import SamplingParams
 from specpool.target.verifier import TargetVerifier, VerifyRequest, VerifyResult
@@ -93,10 +93,6 @@ def hosted_arm_of(name: str, drafter: Drafter) -> HostedArm:
     return HostedArm(name, drafter.tokenizer_fingerprint, reads_features(drafter),
                      int(drafter.tree_nodes) if isinstance(drafter, TreeDrafter) else 0, samples_trees(drafter))
 
-
-def samples_trees(drafter: object) -> bool:
-    """Whether ``drafter`` drafts trees in sampled rounds too (``TreeDrafter``'s contract)."""
-    return isinstance(drafter, TreeDrafter) and drafter.tree_nodes > 0 and getattr(drafter, "sampled_trees", False) is True
 
 
 class LoadGate:

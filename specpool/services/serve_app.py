@@ -76,13 +76,13 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from transformers import AutoTokenizer
 
 from specpool.core.errors import FailedPrecondition, IncompatibleModels, NotFound
-from specpool.drafters.base import Proposal, Replayable, TreeDrafter, reads_features
+from specpool.drafters.base import Proposal, Replayable, TreeDrafter, reads_features, samples_trees
 from specpool.drafters.registry import DrafterContext, create_drafter
 from specpool.learning.feedback import FeedbackEmitter
 from specpool.learning.feedback_redis import RedisFeedbackStream
 from specpool.learning.hot_swap import ServedVariants, learnable
 from specpool.learning.model_store import open_model_store
-from specpool.router.hosted import HostedArm, HostingVerifier, LoadGate, samples_trees
+from specpool.router.hosted import HostedArm, HostingVerifier, LoadGate
 from specpool.router.session_store import RedisSessionStore, SessionKey
 from specpool.services import convert
 from specpool.services.admission import Admission, QuotaExceeded, load_quotas, retry_metadata
